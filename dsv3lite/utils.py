@@ -1,0 +1,77 @@
+"""Small shared helpers: the one size parser, byte/rate formatting, device and dtype resolution."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .errors import UserError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str | int | float) -> int:
+    """Bytes from '80G' / '80GiB' (binary, 80*2^30), '80GB' (decimal, 80e9), '512M', '1.5T' or a plain integer."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text < 0:
+            raise UserError(f"size must not be negative: {text}")
+        return int(text)
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise UserError(f"cannot parse size {text!r}: use e.g. 80G, 80GiB (binary), 80GB (decimal), 512M or a byte count")
+    number, unit, suffix = m.group(1), m.group(2).lower(), m.group(3).lower()
+    if not unit and suffix == "ib":
+        raise UserError(f"cannot parse size {text!r}: 'iB' needs a unit such as K, M, G or T")
+    decimal = suffix == "b" and unit != ""
+    base = 1000 if decimal else 1024
+    return int(float(number) * base ** _POWERS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """1.50 GiB-style rendering (binary units, as nvidia-smi and torch print them)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def format_count(n: float) -> str:
+    """Parameter counts the way model cards print them: 671B, 37.5B, 16.0M."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{suffix}"
+    return str(int(n))
+
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'auto' picks CUDA when present; 'cuda' without a GPU is a clear error."""
+    name = "auto" if device is None else str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA GPU is available (use --device cpu)")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise UserError(f"unknown device {name!r}: use auto, cuda or cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """Default: bfloat16 on CUDA, float32 on CPU."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise UserError(f"unknown dtype {dtype!r}: use bfloat16, float16 or float32") from None
