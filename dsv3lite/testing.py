@@ -69,3 +69,158 @@ def write_tokenizer(path: str | os.PathLike, vocab_size: int = 400, chat_templat
         config["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     return path
+
+
+# --- tiny HF checkpoints ------------------------------------------------------------------------------
+
+_YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+VARIANTS = {
+    # DeepSeek-V3 shape: q_lora, sigmoid noaux_tc with groups (n_group > topk_group > 1), yarn RoPE
+    "v3": dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+               num_hidden_layers=3, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, n_shared_experts=1,
+               num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+               routed_scaling_factor=2.5, rope_scaling=_YARN, max_position_embeddings=256),
+    # DeepSeek-V2-Lite shape: no q_lora, softmax greedy, 2 shared experts, yarn with mscale 0.707
+    "v2lite": dict(model_type="deepseek_v2", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                   num_hidden_layers=3, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16,
+                   n_shared_experts=2, num_experts_per_tok=4, topk_method="greedy", norm_topk_prob=False,
+                   routed_scaling_factor=1.0, first_k_dense_replace=1,
+                   rope_scaling=dict(_YARN, mscale=0.707, mscale_all_dim=0.707), max_position_embeddings=256),
+    # DeepSeek-V2 shape: softmax group_limited_greedy
+    "v2": dict(model_type="deepseek_v2", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+               num_hidden_layers=3, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, n_shared_experts=2,
+               num_experts_per_tok=4, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+               norm_topk_prob=False, routed_scaling_factor=16.0, first_k_dense_replace=1,
+               rope_scaling=_YARN, max_position_embeddings=256),
+    # Moonlight shape: no q_lora, sigmoid without groups, plain RoPE theta 50000, eps 1e-5
+    "moonlight": dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      num_hidden_layers=3, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16,
+                      n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
+                      routed_scaling_factor=2.446, first_k_dense_replace=1, rope_theta=50000.0,
+                      rms_norm_eps=1e-5, max_position_embeddings=256),
+    # for FP8: dims that are not multiples of 128 and larger than one block
+    "v3fp8": dict(model_type="deepseek_v3", hidden_size=192, intermediate_size=200, moe_intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, q_lora_rank=160, kv_lora_rank=136,
+                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+                  num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                  routed_scaling_factor=2.5, rope_scaling=_YARN, max_position_embeddings=256),
+}
+
+
+def hf_model(variant: str = "v3", seed: int = 0, vocab_size: int = 400, init_std: float = 0.08, **overrides):
+    """A random transformers DeepseekV3/V2ForCausalLM (fp32) with a non-zero router correction bias."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    spec = dict(VARIANTS[variant], **overrides)
+    model_type = spec.pop("model_type")
+    config_cls, model_cls = ((DeepseekV3Config, DeepseekV3ForCausalLM) if model_type == "deepseek_v3"
+                             else (DeepseekV2Config, DeepseekV2ForCausalLM))
+    spec.setdefault("num_key_value_heads", spec["num_attention_heads"])
+    config = config_cls(vocab_size=vocab_size, initializer_range=init_std, bos_token_id=0, eos_token_id=1,
+                        tie_word_embeddings=False, **spec)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.05)
+        # norms start at 1.0; perturb them so a wrong norm placement shows up
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def write_checkpoint(path: str | os.PathLike, variant: str = "v3", seed: int = 0, dtype=None,
+                     tokenizer: bool = True, **overrides) -> Path:
+    """Write a tiny random HF checkpoint (save_pretrained: hub tensor names) plus a tokenizer into `path`."""
+    path = Path(path)
+    model = hf_model(variant, seed=seed, **overrides)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(path)
+    if tokenizer:
+        write_tokenizer(path, vocab_size=min(400, model.config.vocab_size))
+    return path
+
+
+FP8_SKIP = ("norm", "mlp.gate.weight", "embed_tokens", "lm_head", "eh_proj", "e_score_correction_bias")
+
+
+def fp8_quantize_block(w, block: int = 128):
+    """e4m3 weight + float32 scale_inv [ceil(N/128), ceil(K/128)] with per-block amax/448 (edge blocks partial)."""
+    import torch
+
+    rows, cols = w.shape
+    gr, gc = -(-rows // block), -(-cols // block)
+    scale = torch.empty(gr, gc, dtype=torch.float32)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(gr):
+        for j in range(gc):
+            tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block].float()
+            s = tile.abs().max().clamp(min=1e-12) / 448.0
+            scale[i, j] = s
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / s).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def write_fp8_copy(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Copy an HF checkpoint with every projection weight as FP8 e4m3 + weight_scale_inv (DeepSeek's layout)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    out = {}
+    for name, t in tensors.items():
+        if t.dim() == 2 and name.endswith(".weight") and not any(s in name for s in FP8_SKIP):
+            out[name], out[name + "_scale_inv"] = fp8_quantize_block(t)
+        else:
+            out[name] = t
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("generation_config.json", "chat_template.jinja"):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def hf_reference_for_fp8(fp8_dir: str | os.PathLike, variant: str = "v3fp8"):
+    """transformers model (fp32) holding the FP8 checkpoint's weights dequantized the reference way."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from .loader import dequant_fp8
+
+    fp8_dir = Path(fp8_dir)
+    raw = load_file(fp8_dir / "model.safetensors")
+    state = {}
+    for name, t in raw.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t = dequant_fp8(t, raw[name + "_scale_inv"])
+        state[name] = t.float()
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    cfg.pop("quantization_config")
+    tmp = fp8_dir.parent / (fp8_dir.name + "-hf-ref")
+    tmp.mkdir(exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import save_file
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()

@@ -1,0 +1,376 @@
+"""The DeepSeek-V3-family network: RMSNorm, YaRN RoPE, MLA (naive + absorbed), routers, MoE, MTP.
+
+Numerics follow transformers' DeepseekV3/V2 (docs/dsv3-math.md, "Reference B"): RMSNorm statistics and
+the router in fp32, routed outputs summed in ascending expert id. Routed experts sit behind one seam,
+`MoE.experts`: a module called as `experts(x [N, D], ids [N, K], weights [N, K]) -> [N, D]`, so the
+offloading runtime can swap in its own provider without touching the network.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelArgs
+from .kernels.mla_decode import mla_decode_auto
+
+# q_a_layernorm / kv_a_layernorm use 1e-6 whatever the config says (as the hub code and transformers do)
+_LATENT_NORM_EPS = 1e-6
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # statistics in fp32, normalised value rounded to the input dtype, then the weight multiply
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+# --- rotary embedding ---------------------------------------------------------------------------------
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies [rope_dim / 2] in fp32; YaRN blends interpolated and original frequencies."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if args.rope_type != "yarn":
+        return 1.0 / pos_freqs
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(args.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(args.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(args.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp                                   # 1 = keep the original (extrapolated) frequency
+    return (1.0 / (args.rope_factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+class Rotary(nn.Module):
+    """cos/sin tables [positions, rope_dim / 2] in fp32, grown on demand; not part of the checkpoint."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def tables(self, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos is None or self.cos.shape[0] < end or self.cos.device != device:
+            n = max(end, 256 if self.cos is None else 2 * self.cos.shape[0])
+            inv = rope_inv_freq(self.args).to(device)
+            angles = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv
+            self.cos = angles.cos() * self.args.cos_sin_scale
+            self.sin = angles.sin() * self.args.cos_sin_scale
+        return self.cos, self.sin
+
+    def forward(self, start: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables(start + length, device)
+        return cos[start:start + length], sin[start:start + length]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True) -> torch.Tensor:
+    """Rotate x [..., S, (H,) rope_dim] at positions given by cos/sin [S, rope_dim / 2] (fp32 math).
+
+    interleave=True rotates adjacent pairs (2i, 2i+1) and keeps that layout; False rotates NeoX halves.
+    """
+    xf = x.float()
+    c, s = (cos[:, None, :], sin[:, None, :]) if x.dim() == 4 else (cos, sin)
+    if interleave:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    else:
+        half = xf.shape[-1] // 2
+        a, b = xf[..., :half], xf[..., half:]
+        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    return out.to(x.dtype)
+
+
+# --- attention ---------------------------------------------------------------------------------------
+
+class MLA(nn.Module):
+    """Multi-head latent attention. The cache holds, per token, [normalised latent c | RoPE'd k_pe]."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.n_heads = args.num_attention_heads
+        d, h = args.hidden_size, args.num_attention_heads
+        if args.q_lora_rank:
+            self.wq_a = nn.Linear(d, args.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(args.q_lora_rank, _LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(args.q_lora_rank, h * args.qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(d, h * args.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(d, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, _LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, h * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.wo = nn.Linear(h * args.v_head_dim, d, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, S, D] -> q_nope [B, S, H, dn], q_pe [B, S, H, dr] (RoPE'd), latent [B, S, kv_lora + dr]."""
+        a = self.args
+        bsz, seqlen, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
+        q = q.view(bsz, seqlen, self.n_heads, a.qk_head_dim)
+        q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin, a.rope_interleave)
+        kv = self.wkv_a(x)
+        c, k_pe = kv.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        latent = torch.cat([self.kv_norm(c), apply_rope(k_pe, cos, sin, a.rope_interleave)], dim=-1)
+        return q_nope, q_pe, latent
+
+    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                cache: torch.Tensor | None = None, absorb: bool = False) -> torch.Tensor:
+        """x [B, S, D] at positions start..start+S-1; cache [B, Tmax, kv_lora + dr] is written in place."""
+        bsz, seqlen, _ = x.shape
+        q_nope, q_pe, latent = self.project(x, cos, sin)
+        if cache is not None:
+            cache[:, start:start + seqlen] = latent
+            kv = cache[:, :start + seqlen]
+        else:
+            kv = latent
+        attend = self._attend_absorbed if absorb else self._attend_naive
+        out = attend(q_nope, q_pe, kv)                    # [B, S, H, dv]
+        return self.wo(out.flatten(2))
+
+    def _attend_naive(self, q_nope, q_pe, kv):
+        """Expand the latent into per-head K/V and run causal SDPA (prefill, training)."""
+        a = self.args
+        bsz, seqlen, h, _ = q_nope.shape
+        total = kv.shape[1]
+        kvh = self.wkv_b(kv[..., :a.kv_lora_rank]).view(bsz, total, h, a.qk_nope_head_dim + a.v_head_dim)
+        k_nope, v = kvh.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        k_pe = kv[..., a.kv_lora_rank:][:, :, None, :].expand(bsz, total, h, a.qk_rope_head_dim)
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)          # [B, H, S, dqk]
+        k = torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2)          # [B, H, T, dqk]
+        v = v.transpose(1, 2)
+        mask = None
+        if seqlen > 1:
+            # bottom-right causal: query s (absolute total-seqlen+s) sees keys t <= total-seqlen+s
+            mask = causal_mask(seqlen, total, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.softmax_scale)
+        return out.transpose(1, 2)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, dn, kv_lora] and W_UV [H, dv, kv_lora] as views of wkv_b."""
+        a = self.args
+        w = self.wkv_b.weight.view(self.n_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
+        return w[:, :a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:]
+
+    def _attend_absorbed(self, q_nope, q_pe, kv):
+        """Attention over the latent cache itself: q_nope is folded into W_UK, V is the latent (decode)."""
+        a = self.args
+        bsz, seqlen, _, _ = q_nope.shape
+        w_uk, w_uv = self.absorbed_weights()
+        q_abs = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
+        q = torch.cat([q_abs, q_pe], dim=-1)                             # [B, S, H, kv_lora + dr]
+        seqlens = torch.full((bsz,), kv.shape[1], dtype=torch.int32, device=kv.device)
+        out_latent, _ = mla_decode_auto(q, kv, seqlens, a.softmax_scale, a.kv_lora_rank)
+        return torch.einsum("bshc,hdc->bshd", out_latent, w_uv)
+
+
+def causal_mask(seqlen: int, total: int, device) -> torch.Tensor:
+    """Boolean [S, T] mask (True = visible) for S queries that are the last S of T positions."""
+    q_pos = torch.arange(total - seqlen, total, device=device)[:, None]
+    return torch.arange(total, device=device)[None, :] <= q_pos
+
+
+# --- feed-forward ------------------------------------------------------------------------------------
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate x) * up x). Dense layers and shared experts."""
+
+    def __init__(self, dim: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter, bias=False)   # gate_proj
+        self.w3 = nn.Linear(dim, inter, bias=False)   # up_proj
+        self.w2 = nn.Linear(inter, dim, bias=False)   # down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Gate(nn.Module):
+    """Router in fp32: sigmoid + bias-corrected grouped top-k (noaux_tc) or softmax greedy / group-limited."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size, dtype=torch.float32))
+        if args.has_gate_bias:
+            self.register_buffer("bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
+        else:
+            self.bias = None
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Unbiased routing scores [N, E] in fp32."""
+        logits = F.linear(x.float(), self.weight.float())
+        return logits.sigmoid() if self.args.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Expert ids [N, K] chosen from unbiased scores [N, E] (bias and group limit applied here)."""
+        a = self.args
+        choice = scores if self.bias is None else scores + self.bias
+        if a.n_group > 1 and a.topk_method != "greedy":
+            grouped = choice.view(-1, a.n_group, a.n_routed_experts // a.n_group)
+            if a.topk_method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            else:
+                group_scores = grouped.amax(dim=-1)
+            keep = group_scores.topk(a.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view_as(choice)
+        return choice.topk(a.num_experts_per_tok, dim=-1, sorted=False).indices
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, K] fp32, ids [N, K], scores [N, E]); weights use the unbiased scores."""
+        scores = self.scores(x)
+        ids = self.select(scores)
+        weights = scores.gather(1, ids)
+        if self.args.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.args.routed_scaling_factor, ids, scores
+
+
+class RoutedExperts(nn.Module):
+    """All routed experts of one layer, resident and dense: w1/w3 [E, I, D], w2 [E, D, I]."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, inter, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, inter, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return combine_experts(self.expert, x, ids, weights)
+
+
+def combine_experts(expert_fn, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[n, k] * expert_{ids[n, k]}(x[n]), accumulated in ascending expert id.
+
+    Each expert's weighted output is rounded to x.dtype before it is added (as transformers does), so every
+    provider that goes through here gives the same bits for the same expert outputs.
+    """
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():                      # sorted ascending
+        token, slot = torch.where(ids == e)
+        y = expert_fn(e, x[token])
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+    return out
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.gate = Gate(args)
+        self.experts = RoutedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size)
+        self.shared_experts = MLP(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
+        self.record_routing = False
+        self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None   # (scores [N, E], ids [N, K])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids, scores = self.gate(flat)
+        if self.record_routing:
+            self.last_routing = (scores, ids)
+        routed = self.experts(flat, ids, weights).view(shape)
+        return routed + self.shared_experts(x)
+
+
+# --- blocks ------------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn = MLA(args)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.is_moe = args.is_moe_layer(layer_id)
+        self.ffn = MoE(args, layer_id) if self.is_moe else MLP(args.hidden_size, args.intermediate_size)
+
+    def attention(self, h, start, cos, sin, cache=None, absorb=False):
+        return h + self.attn(self.attn_norm(h), start, cos, sin, cache, absorb)
+
+    def feed_forward(self, h):
+        return h + self.ffn(self.ffn_norm(h))
+
+    def forward(self, h, start, cos, sin, cache=None, absorb=False):
+        return self.feed_forward(self.attention(h, start, cos, sin, cache, absorb))
+
+
+class MTPLayer(nn.Module):
+    """Multi-token prediction module: [enorm(emb(t_{i+1})) | hnorm(h_i)] -> eh_proj -> block -> head_norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        d = args.hidden_size
+        self.enorm = RMSNorm(d, args.rms_norm_eps)
+        self.hnorm = RMSNorm(d, args.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = Block(args, args.mtp_layer_id)
+        self.head_norm = RMSNorm(d, args.rms_norm_eps)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, start, cos, sin, cache=None, absorb=False):
+        """emb: embeddings of the next tokens [B, S, D]; hidden: the main model's final-normed hidden [B, S, D]."""
+        h = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
+        return self.head_norm(self.block(h, start, cos, sin, cache, absorb))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, with_mtp: bool = False):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.mtp = MTPLayer(args) if with_mtp else None
+        self.rotary = Rotary(args)
+        # called as layer_hook(layer, h) after each layer's attention (the offloading runtime predicts here)
+        self.layer_hook = None
+
+    def blocks(self) -> list[Block]:
+        """Every decoder block, main layers then the MTP block (cache index = position in this list)."""
+        return list(self.layers) + ([self.mtp.block] if self.mtp is not None else [])
+
+    def moe_modules(self) -> list[MoE]:
+        return [b.ffn for b in self.blocks() if b.is_moe]
+
+    def hidden(self, tokens: torch.Tensor, start: int = 0, cache: torch.Tensor | None = None,
+               absorb: bool = False) -> torch.Tensor:
+        """tokens [B, S] -> final-normed hidden [B, S, D]. cache: [n_layers(+1), B, Tmax, latent] or None."""
+        h = self.embed(tokens)
+        cos, sin = self.rotary(start, tokens.shape[1], h.device)
+        hook = self.layer_hook
+        for i, layer in enumerate(self.layers):
+            h = layer.attention(h, start, cos, sin, None if cache is None else cache[i], absorb)
+            if hook is not None:
+                hook(layer, h)
+            h = layer.feed_forward(h)
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor, start: int = 0, cache: torch.Tensor | None = None,
+                absorb: bool = False) -> torch.Tensor:
+        """tokens [B, S] -> logits [B, S, vocab] in the compute dtype."""
+        return self.head(self.hidden(tokens, start, cache, absorb))
+
+    def mtp_hidden(self, hidden: torch.Tensor, next_tokens: torch.Tensor, start: int = 0,
+                   cache: torch.Tensor | None = None, absorb: bool = False) -> torch.Tensor:
+        """MTP pass over pairs (hidden_i, t_{i+1}) at positions start..; cache: the MTP layer's own [B, Tmax, latent]."""
+        cos, sin = self.rotary(start, next_tokens.shape[1], hidden.device)
+        return self.mtp(self.embed(next_tokens), hidden, start, cos, sin, cache, absorb)
