@@ -78,20 +78,19 @@ class Rotary(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True) -> torch.Tensor:
-    """Rotate x [..., S, (H,) rope_dim] at positions given by cos/sin [S, rope_dim / 2] (fp32 math).
+    """Rotate x [B, S, (H,) rope_dim] at the positions of cos/sin [S, rope_dim / 2], in x's dtype (as transformers).
 
-    interleave=True rotates adjacent pairs (2i, 2i+1) and keeps that layout; False rotates NeoX halves.
+    interleave=True: the checkpoint pairs adjacent dims (2i, 2i+1); the result is laid out de-interleaved
+    [rotated evens | rotated odds]. q and k get the same permutation, so their dot products are unchanged.
+    interleave=False: NeoX halves.
     """
-    xf = x.float()
     c, s = (cos[:, None, :], sin[:, None, :]) if x.dim() == 4 else (cos, sin)
+    c, s = c.to(x.dtype), s.to(x.dtype)
     if interleave:
-        a, b = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+        a, b = x[..., 0::2], x[..., 1::2]
     else:
-        half = xf.shape[-1] // 2
-        a, b = xf[..., :half], xf[..., half:]
-        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
-    return out.to(x.dtype)
+        a, b = x.chunk(2, dim=-1)
+    return torch.cat((a * c - b * s, b * c + a * s), dim=-1)
 
 
 # --- attention ---------------------------------------------------------------------------------------

@@ -223,4 +223,4 @@ def hf_reference_for_fp8(fp8_dir: str | os.PathLike, variant: str = "v3fp8"):
     (tmp / "config.json").write_text(json.dumps(cfg))
     from safetensors.torch import save_file
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, experts_implementation="eager").eval()

@@ -1,0 +1,23 @@
+"""dsv3lite: run DeepSeek-V3-family mixture-of-experts models on one machine whose GPU is too small for them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+__version__ = "0.1.0"
+
+DEMO_DIR = Path(__file__).parent / "demo"
+
+
+def load(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int = 4096, mtp: bool = True,
+         experts=None, cpu_mem=None, progress: bool = True, log=None, **options):
+    """Load a checkpoint (None -> the bundled demo model) and return an Engine.
+
+    llm.generate(prompt, ...), llm.chat(messages, ...), llm.forward(ids), llm.tokenizer, llm.stats().
+    """
+    from .runtime import build_engine
+
+    return build_engine(weights=weights, device=device, gpu_mem=gpu_mem, dtype=dtype, ctx_size=ctx_size,
+                        mtp=mtp, experts=experts, cpu_mem=cpu_mem, progress=progress, log=log, **options)
+
+
+__all__ = ["load", "DEMO_DIR", "__version__"]

@@ -1,0 +1,80 @@
+"""Parameter counts and bytes per component, from a ModelArgs alone (no weights read).
+
+Used by `dsv3lite info` and by the offloading planner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelArgs
+
+
+def attention_params(a: ModelArgs) -> int:
+    h, d = a.num_attention_heads, a.hidden_size
+    q = (d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * h * a.qk_head_dim) if a.q_lora_rank else d * h * a.qk_head_dim
+    kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
+    return q + kv + h * a.v_head_dim * d + 2 * d          # + attn_norm and ffn_norm
+
+
+def expert_params(a: ModelArgs) -> int:
+    """One routed expert: gate, up, down."""
+    return 3 * a.hidden_size * a.moe_intermediate_size
+
+
+def router_params(a: ModelArgs) -> int:
+    return a.n_routed_experts * a.hidden_size + (a.n_routed_experts if a.has_gate_bias else 0)
+
+
+def shared_expert_params(a: ModelArgs) -> int:
+    return 3 * a.hidden_size * a.n_shared_experts * a.moe_intermediate_size
+
+
+@dataclass
+class Footprint:
+    """Parameter counts per component (the MTP layer reported apart from the main model)."""
+    embed: int
+    head: int
+    attention: int                # all main layers, norms included
+    dense_mlp: int
+    routers: int
+    shared_experts: int
+    routed_experts: int
+    mtp_dense: int                # MTP layer minus its routed experts
+    mtp_routed_experts: int
+    final_norm: int
+    active: int                   # per token, main model: everything but the unchosen routed experts
+
+    @property
+    def total(self) -> int:
+        return (self.embed + self.head + self.attention + self.dense_mlp + self.routers + self.shared_experts
+                + self.routed_experts + self.final_norm)
+
+    @property
+    def non_expert(self) -> int:
+        return self.total - self.routed_experts
+
+
+def footprint(a: ModelArgs) -> Footprint:
+    n_moe = len(a.moe_layer_ids)
+    n_dense = a.num_hidden_layers - n_moe
+    routed = n_moe * a.n_routed_experts * expert_params(a)
+    mtp_dense = mtp_routed = 0
+    if a.num_nextn_predict_layers:
+        d = a.hidden_size
+        mtp_dense = 2 * d * d + 3 * d + attention_params(a) + router_params(a) + shared_expert_params(a)
+        mtp_routed = a.n_routed_experts * expert_params(a)
+    fp = Footprint(
+        embed=a.vocab_size * a.hidden_size,
+        head=0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size,
+        attention=a.num_hidden_layers * attention_params(a),
+        dense_mlp=n_dense * 3 * a.hidden_size * a.intermediate_size,
+        routers=n_moe * router_params(a),
+        shared_experts=n_moe * shared_expert_params(a),
+        routed_experts=routed,
+        mtp_dense=mtp_dense,
+        mtp_routed_experts=mtp_routed,
+        final_norm=a.hidden_size,
+        active=0,
+    )
+    fp.active = fp.total - routed + n_moe * a.num_experts_per_tok * expert_params(a)
+    return fp

@@ -1,0 +1,313 @@
+"""The Engine behind `dsv3lite.load()`: prefill, decode over the latent cache, sampling, stop handling, stats.
+
+One Engine owns one model, one tokenizer and one latent cache (batch 1). A conversation keeps its cache:
+each call prefills only the tokens after the longest prefix it shares with what is already cached.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .errors import UserError
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class Chunk:
+    """One streamed step: new text (may be empty while a stop string is pending), the token, why it ended."""
+    text: str
+    token_id: int | None
+    finish_reason: str | None = None       # None while streaming; "stop" | "length" on the last chunk
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (_finite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}"),
+            (_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}"),
+            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise UserError(msg)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from: logits [V] (any dtype) -> fp32 probabilities [V] after
+    temperature, top-k and top-p. Temperature 0 is a one-hot on the argmax."""
+    logits = logits.float()
+    if p.temperature == 0:
+        return torch.zeros_like(logits).scatter_(0, logits.argmax().view(1), 1.0)
+    logits = logits / p.temperature
+    if 0 < p.top_k < logits.numel():
+        kth = logits.topk(p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs          # mass strictly above each token
+        sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    if probs.max() == 1.0:
+        return int(probs.argmax())
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class StopMatcher:
+    """Holds back streamed text that might be the start of a stop string."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """-> (text safe to emit, stopped)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
+        if hits:
+            at = min(i for i, _ in hits)
+            out, self.pending = self.pending[:at], ""
+            return out, True
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        out = self.pending[:len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def empty_expert_cache_stats() -> dict:
+    return {"hits": 0, "prefetch_hits": 0, "demand_misses": 0, "hit_rate": 0.0, "h2d_bytes": 0,
+            "h2d_gb_s": 0.0, "stall_ms": 0.0, "cpu_experts": 0, "predictor_precision": 0.0,
+            "predictor_recall": 0.0}
+
+
+@dataclass
+class RunStats:
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+    main_forwards: int = 0            # decode forwards of the main model
+    drafted: int = 0
+    accepted: int = 0
+
+
+class Engine:
+    """Generation over one model. Thread-safe: one generation at a time (a lock)."""
+
+    def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, ctx_size: int = 4096,
+                 mtp: bool = True, weights: str | None = None, log=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device, self.dtype = device, dtype
+        self.args = model.args
+        self.weights = weights
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.ctx_size = int(ctx_size)
+        if self.ctx_size < 1:
+            raise UserError(f"ctx_size must be >= 1, got {ctx_size}")
+        self.mtp_requested = bool(mtp)
+        self.mtp_enabled = bool(mtp) and model.mtp is not None
+        self.mtp_off_reason = None if self.mtp_enabled else (
+            "disabled by the caller" if not mtp else "the checkpoint has no MTP weights")
+        self.lock = threading.Lock()
+        self.cache: torch.Tensor | None = None           # [n_blocks, 1, ctx, latent_dim]
+        self.cached_tokens: list[int] = []                # tokens whose latents are valid in self.cache
+        self.last = RunStats()
+        self.expert_stats_fn = None                       # set by the offloading runtime
+        self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
+
+    # --- public API ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids) -> torch.Tensor:
+        """LongTensor [B, T] -> float32 logits [B, T, vocab]; no cache involved."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids[None]
+        self._check_ids(ids.flatten().tolist())
+        return self.model(ids.to(self.device)).float()
+
+    def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop=None) -> Iterator[Chunk]:
+        """Stream the completion of `prompt` (str, BOS added, or list[int] used as given)."""
+        params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, stop or [])
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_bos=True)
+        else:
+            ids = [int(t) for t in prompt]
+        return self._generate(ids, params)
+
+    def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int | None = None, stop=None) -> Iterator[Chunk]:
+        """Stream the assistant's reply to `messages` (rendered with the checkpoint's chat template)."""
+        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, stop or [])
+        return self._generate(ids, params)
+
+    def reset(self) -> None:
+        """Forget the cached conversation."""
+        self.cached_tokens = []
+
+    def stats(self) -> dict:
+        s = self.last
+        decode_tokens = max(s.generated_tokens - 1, 0)
+        expert = self.expert_stats_fn() if self.expert_stats_fn else empty_expert_cache_stats()
+        return {
+            "prefill_tok_s": s.prefilled_tokens / s.prefill_s if s.prefill_s > 0 else 0.0,
+            "decode_tok_s": decode_tokens / s.decode_s if s.decode_s > 0 else 0.0,
+            "ttft_s": s.ttft_s,
+            "prompt_tokens": s.prompt_tokens,
+            "cached_prompt_tokens": s.cached_prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "mtp": {"enabled": self.mtp_enabled,
+                    "acceptance_rate": s.accepted / s.drafted if s.drafted else 0.0,
+                    "tokens_per_forward": decode_tokens / s.main_forwards if s.main_forwards else 0.0,
+                    **({} if self.mtp_enabled else {"reason": self.mtp_off_reason})},
+            "expert_cache": expert,
+            "memory": self._memory(),
+        }
+
+    # --- internals ----------------------------------------------------------------------------
+    def _memory(self) -> dict:
+        import psutil
+        out = {"host_rss_bytes": psutil.Process().memory_info().rss}
+        if self.device.type == "cuda":
+            out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+    def _check_ids(self, ids: list[int]) -> None:
+        bad = [t for t in ids if t < 0 or t >= self.args.vocab_size]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside the model's vocabulary (0..{self.args.vocab_size - 1})")
+
+    def _ensure_cache(self) -> torch.Tensor:
+        n_blocks = len(self.model.blocks())
+        if self.cache is None or self.cache.shape[0] != n_blocks:
+            self.cache = torch.zeros(n_blocks, 1, self.ctx_size, self.args.latent_dim, dtype=self.dtype,
+                                     device=self.device)
+            self.cached_tokens = []
+        return self.cache
+
+    def _main_cache(self) -> torch.Tensor:
+        return self.cache[: self.args.num_hidden_layers]
+
+    def _prefill(self, ids: list[int]) -> torch.Tensor:
+        """Make the cache hold `ids`; return the last position's logits [vocab]. Reuses the cached prefix."""
+        common = 0
+        for a, b in zip(self.cached_tokens, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)                 # at least one token runs, for its logits
+        self.cached_tokens = self.cached_tokens[:common]
+        self.last.cached_prompt_tokens = common
+        logits = None
+        for start in range(common, len(ids), PREFILL_CHUNK):
+            chunk = ids[start:start + PREFILL_CHUNK]
+            x = torch.tensor([chunk], dtype=torch.long, device=self.device)
+            logits = self.model(x, start, self._main_cache(), absorb=len(chunk) == 1)[0, -1]
+            self.cached_tokens = ids[:start + len(chunk)]
+        return logits
+
+    def _decode(self, token: int) -> torch.Tensor:
+        pos = len(self.cached_tokens)
+        x = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        logits = self.model(x, pos, self._main_cache(), absorb=True)[0, -1]
+        self.cached_tokens.append(token)
+        return logits
+
+    def _generate(self, ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
+        if not ids:
+            raise UserError("the prompt is empty")
+        self._check_ids(ids)
+        if len(ids) >= self.ctx_size:
+            raise UserError(f"the prompt is {len(ids)} tokens but the context holds {self.ctx_size} "
+                            f"(raise --ctx-size or shorten the prompt)")
+        return self._run(ids, params)
+
+    @torch.inference_mode()
+    def _run(self, ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
+        with self.lock:
+            self._ensure_cache()
+            self.last = stats = RunStats(prompt_tokens=len(ids))
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed(params.seed)
+            t0 = time.perf_counter()
+            logits = self._prefill(ids)
+            stats.prefilled_tokens = len(ids) - stats.cached_prompt_tokens
+            stats.prefill_s = time.perf_counter() - t0
+            decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
+            stopper = StopMatcher(params.stop)
+            t_first = None
+            produced = 0
+            while True:
+                token = sample(sampling_probs(logits, params), gen)
+                produced += 1
+                stats.generated_tokens = produced
+                now = time.perf_counter()
+                if t_first is None:
+                    t_first = now
+                    stats.ttft_s = now - t0
+                stats.decode_s = now - t_first
+                if token in self.stop_ids:
+                    tail = stopper.flush() + (decoder.flush() if decoder else "")
+                    yield Chunk(tail, token, "stop")
+                    return
+                text = decoder.push(token) if decoder else ""
+                text, stopped = stopper.feed(text)
+                if stopped:
+                    yield Chunk(text, token, "stop")
+                    return
+                out_of_room = len(self.cached_tokens) + 1 >= self.ctx_size
+                if produced >= params.max_tokens or out_of_room:
+                    tail = (decoder.flush() if decoder else "")
+                    text2, stopped = stopper.feed(tail)
+                    yield Chunk(text + text2 + ("" if stopped else stopper.flush()), token,
+                                "stop" if stopped else "length")
+                    return
+                yield Chunk(text, token)
+                logits = self._decode(token)
+                stats.main_forwards += 1

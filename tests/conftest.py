@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random checkpoints written once per test session (nothing is downloaded)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ckpt_factory(tmp_path_factory):
+    """ckpt_factory(variant, **overrides) -> directory of a tiny HF checkpoint (cached per arguments)."""
+    from dsv3lite.testing import write_checkpoint
+
+    made = {}
+
+    def make(variant: str = "v3", **overrides):
+        key = (variant, tuple(sorted(overrides.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"ckpt-{variant}")
+            made[key] = write_checkpoint(path, variant, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def v3_dir(ckpt_factory):
+    return ckpt_factory("v3")
+
+
+@pytest.fixture(scope="session")
+def fp8_dirs(tmp_path_factory, ckpt_factory):
+    """(bf16-source dir, FP8 copy dir) for the FP8 variant (dims not multiples of 128)."""
+    from dsv3lite.testing import write_fp8_copy
+
+    src = ckpt_factory("v3fp8")
+    dst = tmp_path_factory.mktemp("ckpt-fp8") / "fp8"
+    return src, write_fp8_copy(src, dst)
