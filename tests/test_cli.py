@@ -1,0 +1,130 @@
+"""The command line: JSON schema of `generate --json`, `info`, and one clear line for every bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dsv3lite.cli import main
+
+
+def cli(capsys, *args):
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc, err, *needles):
+    lines = [l for l in err.strip().splitlines() if l.startswith("error:")]
+    assert rc != 0
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_generate_json_schema(capsys, v3_dir):
+    rc, out, err = cli(capsys, "generate", "-w", str(v3_dir), "-p", "hi", "-m", "5", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)                                 # exactly one JSON object on stdout
+    assert set(doc) >= {"text", "token_ids", "prompt_tokens", "finish_reason", "stats"}
+    assert doc["finish_reason"] in ("stop", "length")
+    assert isinstance(doc["token_ids"], list) and len(doc["token_ids"]) <= 5
+    s = doc["stats"]
+    assert {"prefill_tok_s", "decode_tok_s", "ttft_s", "mtp", "expert_cache"} <= set(s)
+    assert s["mtp"]["enabled"] is False                    # the tiny checkpoint carries no MTP weights
+
+
+def test_generate_streams_text(capsys, v3_dir):
+    rc, out, err = cli(capsys, "generate", "-w", str(v3_dir), "-p", "hi", "-m", "5", "--seed", "3", "--temp", "0.7")
+    assert rc == 0, err
+    assert "decode" in err and "tok/s" in err             # the stats line
+
+
+def test_info(capsys, v3_dir):
+    rc, out, err = cli(capsys, "info", "-w", str(v3_dir))
+    assert rc == 0
+    assert "total" in out and "active" in out and "per token" in out
+    rc, out, _ = cli(capsys, "info", "-w", str(v3_dir), "--json")
+    doc = json.loads(out)
+    assert doc["total_params"] > doc["active_params"] > 0
+
+
+def test_size_is_echoed(capsys, v3_dir):
+    rc, out, err = cli(capsys, "generate", "-w", str(v3_dir), "-p", "hi", "-m", "1", "--cpu-mem", "1GB", "--json")
+    assert rc == 0, err
+    assert "1,000,000,000 bytes" in err
+
+
+def _damaged(tmp_path, src, how):
+    dst = tmp_path / how
+    shutil.copytree(src, dst)
+    st = dst / "model.safetensors"
+    if how == "truncated":
+        data = st.read_bytes()
+        st.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":
+        st.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    elif how in ("missing", "shape"):
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(st)
+        if how == "missing":
+            del tensors["model.layers.1.self_attn.kv_b_proj.weight"]
+        else:
+            tensors["model.layers.0.self_attn.o_proj.weight"] = tensors["model.layers.0.self_attn.o_proj.weight"][:, :10].contiguous()
+        save_file(tensors, st)
+    elif how == "model_type":
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["model_type"] = "llama"
+        (dst / "config.json").write_text(json.dumps(cfg))
+    elif how == "no_config":
+        (dst / "config.json").unlink()
+    return dst
+
+
+@pytest.mark.parametrize("how,needles", [
+    ("truncated", ["model.safetensors", "truncated"]),
+    ("garbage", ["model.safetensors"]),
+    ("missing", ["model.layers.1.self_attn.kv_b_proj.weight", "missing"]),
+    ("shape", ["model.layers.0.self_attn.o_proj.weight", "(64, 10)", "(64, 64)"]),
+    ("model_type", ["llama"]),
+    ("no_config", ["config.json"]),
+])
+def test_damaged_checkpoints(capsys, tmp_path, v3_dir, how, needles):
+    bad = _damaged(tmp_path, v3_dir, how)
+    rc, out, err = cli(capsys, "generate", "-w", str(bad), "-p", "hi", "-m", "2")
+    assert_one_line_error(rc, err, *needles)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["-w", "/nonexistent/dir"], "not found"),
+    (["--temp", "-1"], "--temp"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-k", "-3"], "--top-k"),
+    (["--gpu-mem", "12Q"], "cannot parse size"),
+    (["-c", "1"], "--ctx-size"),
+    (["--dtype", "int3"], "dtype"),
+    (["--device", "tpu"], "device"),
+])
+def test_bad_flags(capsys, v3_dir, args, needle):
+    argv = ["generate", "-p", "hi", "-m", "2"] + (args if args[0] == "-w" else ["-w", str(v3_dir)] + args)
+    rc, out, err = cli(capsys, *argv)
+    assert_one_line_error(rc, err, needle)
+
+
+def test_prompt_over_context(capsys, v3_dir):
+    rc, out, err = cli(capsys, "generate", "-w", str(v3_dir), "-c", "8", "-p", "word " * 50)
+    assert_one_line_error(rc, err, "context")
+
+
+def test_console_script_runs_and_fails_cleanly(v3_dir):
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "dsv3lite"
+    exe = str(exe) if exe.exists() else shutil.which("dsv3lite")
+    r = subprocess.run([exe, "generate", "-w", "/no/such/dir", "-p", "x"], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:")
