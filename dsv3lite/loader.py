@@ -330,3 +330,37 @@ class Loader:
 def load_model(root: str | Path, device: torch.device, dtype: torch.dtype, progress: bool = True,
                log=None) -> Transformer:
     return Loader(root, device, dtype, progress, log).load()
+
+
+def checkpoint_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's tensors under HF checkpoint names (the inverse of `map_name`): routed experts are split
+    per expert and the MTP layer is written as model.layers.{num_hidden_layers}.* (without the copies of
+    the embedding and head, which readers take from the main model)."""
+    args = model.args
+    layer_rev = {v: k for k, v in LAYER_NAMES.items()}
+    expert_rev = {v: k for k, v in EXPERT_NAMES.items()}
+    mtp_rev = {v: k for k, v in MTP_NAMES.items()}
+    top_rev = {v: k for k, v in TOP_NAMES.items()}
+    out: dict[str, torch.Tensor] = {}
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if b is not None and not n.startswith("rotary")})
+    for name, t in tensors.items():
+        t = t.detach()
+        if name in top_rev:
+            out[top_rev[name]] = t
+        elif name in mtp_rev:
+            out[f"model.layers.{args.mtp_layer_id}.{mtp_rev[name]}"] = t
+        else:
+            if name.startswith("mtp.block."):
+                layer, rest = args.mtp_layer_id, name[len("mtp.block."):]
+            else:
+                _, layer, rest = name.split(".", 2)
+            if rest.startswith("ffn.experts."):
+                proj = expert_rev[rest.rsplit(".", 1)[1]]
+                for e in range(t.shape[0]):
+                    out[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = t[e]
+            else:
+                out[f"model.layers.{layer}.{layer_rev[rest]}"] = t
+    if args.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out

@@ -263,10 +263,19 @@ def combine_experts(expert_fn, x: torch.Tensor, ids: torch.Tensor, weights: torc
     provider that goes through here gives the same bits for the same expert outputs.
     """
     out = torch.zeros_like(x)
-    for e in torch.unique(ids).tolist():                      # sorted ascending
-        token, slot = torch.where(ids == e)
-        y = expert_fn(e, x[token])
-        out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)                  # (token, slot) pairs grouped by expert, ascending
+    counts = torch.bincount(flat, minlength=1).tolist()
+    token = order // ids.shape[1]
+    w = weights.flatten()[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = token[start:start + n]
+        y = expert_fn(e, x.index_select(0, tok))              # index_select: its backward is a fast index_add
+        out.index_add_(0, tok, (y * w[start:start + n, None]).to(x.dtype))
+        start += n
     return out
 
 
@@ -373,3 +382,17 @@ class Transformer(nn.Module):
         """MTP pass over pairs (hidden_i, t_{i+1}) at positions start..; cache: the MTP layer's own [B, Tmax, latent]."""
         cos, sin = self.rotary(start, next_tokens.shape[1], hidden.device)
         return self.mtp(self.embed(next_tokens), hidden, start, cos, sin, cache, absorb)
+
+
+def init_weights(model: Transformer, std: float = 0.02) -> Transformer:
+    """Random init for training from scratch: normal(0, std) matrices, unit norms, zero router bias."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+        for mod in model.modules():
+            if isinstance(mod, Gate) and mod.bias is not None:
+                mod.bias.zero_()
+    return model

@@ -4,8 +4,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads this once, when it is imported: without a GPU, kernels are tested in its interpreter.
+# Model code still runs the PyTorch twins on CPU unless a test sets DSV3LITE_KERNELS=triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,37 @@
+"""When to run a Triton kernel and when its pure-PyTorch twin: one rule shared by every kernel.
+
+CUDA runs the kernels unless `DSV3LITE_KERNELS=ref`; CPU runs the twins, except with both
+`TRITON_INTERPRET=1` and `DSV3LITE_KERNELS=triton`, where the kernels run in Triton's interpreter
+(that is how CI tests the model's kernel path).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreted() -> bool:
+    """True when Triton kernels run in the interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when Triton can be imported (it ships only for Linux)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_kernels(device: torch.device | str) -> bool:
+    """Whether tensors on `device` go through the Triton kernels rather than the `*_ref` twins."""
+    mode = os.environ.get("DSV3LITE_KERNELS", "").strip().lower()
+    if not triton_available() or mode == "ref":
+        return False
+    if torch.device(device).type == "cuda":
+        return True
+    return interpreted() and mode == "triton"

@@ -1,0 +1,302 @@
+"""Absorbed-MLA decode attention over the latent KV cache: a split-KV Triton kernel and its PyTorch twin.
+
+Every head reads the same cached rows [latent c_t (kv_lora_rank) | k_pe_t (rope_dim)]: keys are whole
+rows, values their first kv_lora_rank columns. Queries are absorbed (q_nope @ W_UK ‖ q_pe), so each
+head's output is a mix of latents; the model applies W_UV and W_o afterwards (docs/dsv3-math.md §4, §7).
+Sq <= 4 new tokens per sequence (MTP verification) use the bottom-right causal mask.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import dispatch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton on this platform: only the twin runs
+    triton = None
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+_MAX_SQ = 4
+_MIN_SPLIT_TOKENS = 128   # a split shorter than this costs more to merge than it saves
+_MAX_SPLITS = 64
+_LOG2E = 1.4426950408889634
+
+
+def _check_inputs(q, latent_cache, seqlens, kv_lora_rank):
+    assert q.dim() == 4, f"q must be [B, Sq, H, Dk], got shape {tuple(q.shape)}"
+    assert latent_cache.dim() == 3, f"latent_cache must be [B, Tmax, Dk], got shape {tuple(latent_cache.shape)}"
+    batch, sq, _, dk = q.shape
+    assert 1 <= sq <= _MAX_SQ, f"Sq must be in 1..{_MAX_SQ}, got {sq}"
+    assert latent_cache.shape[0] == batch and latent_cache.shape[2] == dk, (
+        f"latent_cache {tuple(latent_cache.shape)} does not match q {tuple(q.shape)}: want [{batch}, Tmax, {dk}]")
+    assert 0 < kv_lora_rank < dk, (
+        f"kv_lora_rank must be in 1..{dk - 1} (Dk = kv_lora_rank + rope_dim), got {kv_lora_rank}")
+    assert seqlens.shape == (batch,), f"seqlens must be [{batch}], got shape {tuple(seqlens.shape)}"
+    assert seqlens.dtype == torch.int32, f"seqlens must be int32, got {seqlens.dtype}"
+    assert q.device == latent_cache.device == seqlens.device, (
+        f"q, latent_cache and seqlens must share a device, got {q.device}, {latent_cache.device}, {seqlens.device}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+#
+# The Sq queries of a sequence are folded into the head axis: row r = s * H + h of q[b] viewed as
+# [Sq*H, Dk], so all queries of a sequence share each K tile. Stage 1 grid: (B, row blocks of
+# BLOCK_H, KV splits); each program runs an online softmax over its split in BLOCK_N tiles and
+# writes a normalised partial output and its lse. Stage 2 merges the splits by their lse.
+# ----------------------------------------------------------------------------------------------
+
+@_jit
+def _split_len(seqlen, num_splits, BLOCK_N: tl.constexpr):
+    # Tokens per split, a multiple of BLOCK_N; both stages must agree on it.
+    return tl.maximum(tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N), 1) * BLOCK_N
+
+
+@_jit
+def _mla_decode_split_kernel(
+    q_ptr, cache_ptr, seqlens_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2,                      # softmax_scale * log2(e): the kernel works in base 2
+    num_rows, num_heads, num_queries, kv_lora_rank, rope_dim,
+    stride_qb, stride_qr,            # q as [B, Sq*H, Dk]
+    stride_cb, stride_ct,            # latent_cache [B, Tmax, Dk]
+    stride_ob, stride_or, stride_os,  # partial out [B, Sq*H, splits, kv_lora_rank]
+    stride_lb, stride_lr, stride_ls,  # partial lse [B, Sq*H, splits]
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DPE: tl.constexpr,
+    UPCAST: tl.constexpr,            # fp32 dot operands (interpreter: its bf16 dot is wrong)
+    DOT_PRECISION: tl.constexpr,     # "ieee" for fp32 operands, so fp32 models get no tf32 rounding
+):
+    b = tl.program_id(0).to(tl.int64)
+    row_block = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seqlen = tl.load(seqlens_ptr + b)
+
+    rows = row_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < num_rows
+    # query s sits at position seqlen - Sq + s and sees keys t <= that position; padded rows see none
+    last_key = tl.where(row_ok, seqlen - num_queries + rows // num_heads, -1)
+
+    split_len = _split_len(seqlen, num_splits, BLOCK_N)
+    start = split * split_len
+    stop = tl.minimum(start + split_len, tl.max(last_key, 0) + 1)   # last_key < seqlen
+
+    offs_dl = tl.arange(0, BLOCK_DL)
+    offs_dpe = tl.arange(0, BLOCK_DPE)
+    dl_ok = offs_dl < kv_lora_rank
+    dpe_ok = offs_dpe < rope_dim
+
+    q_rows = q_ptr + b * stride_qb + rows[:, None] * stride_qr
+    q_lat = tl.load(q_rows + offs_dl[None, :], mask=row_ok[:, None] & dl_ok[None, :], other=0.0)
+    q_pe = tl.load(q_rows + kv_lora_rank + offs_dpe[None, :], mask=row_ok[:, None] & dpe_ok[None, :], other=0.0)
+    if UPCAST:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)   # running max of scores (base-2 units)
+    l_i = tl.zeros([BLOCK_H], tl.float32)                  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_H, BLOCK_DL], tl.float32)
+    cache_seq = cache_ptr + b * stride_cb
+    for n0 in range(start, stop, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < stop
+        k_rows = cache_seq + offs_n[:, None] * stride_ct
+        # masked rows load as 0 so that garbage past seqlen never reaches the value dot
+        k_lat = tl.load(k_rows + offs_dl[None, :], mask=n_ok[:, None] & dl_ok[None, :], other=0.0)
+        k_pe = tl.load(k_rows + kv_lora_rank + offs_dpe[None, :], mask=n_ok[:, None] & dpe_ok[None, :], other=0.0)
+        if UPCAST:
+            k_lat = k_lat.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+
+        scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
+        scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        scores *= scale_log2
+        visible = n_ok[None, :] & (offs_n[None, :] <= last_key[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # an empty split (or padded row) stores out 0 and lse -inf, which the merge weighs as 0
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+
+    out_rows = part_out_ptr + b * stride_ob + rows[:, None] * stride_or + split * stride_os
+    tl.store(out_rows + offs_dl[None, :], out.to(part_out_ptr.dtype.element_ty), mask=row_ok[:, None] & dl_ok[None, :])
+    tl.store(part_lse_ptr + b * stride_lb + rows * stride_lr + split * stride_ls, lse, mask=row_ok)
+
+
+@_jit
+def _mla_decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, seqlens_ptr, out_ptr, lse_ptr,
+    num_rows, num_splits, kv_lora_rank,
+    stride_pob, stride_por, stride_pos,  # partial out [B, Sq*H, splits, kv_lora_rank]
+    stride_plb, stride_plr, stride_pls,  # partial lse [B, Sq*H, splits]
+    stride_ob, stride_or,                # out as [B, Sq*H, kv_lora_rank]
+    stride_lb, stride_lr,                # lse as [B, Sq*H]
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < num_rows
+    seqlen = tl.load(seqlens_ptr + b)
+    split_len = _split_len(seqlen, num_splits, BLOCK_N)
+    used = tl.minimum(tl.cdiv(seqlen, split_len), num_splits)
+
+    lse_rows = part_lse_ptr + b * stride_plb + rows * stride_plr
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_all = tl.load(lse_rows[:, None] + offs_s[None, :] * stride_pls,
+                      mask=row_ok[:, None] & (offs_s[None, :] < used), other=float("-inf"))
+    lse_max = tl.max(lse_all, 1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.sum(tl.exp(lse_all - lse_max[:, None]), 1)
+
+    offs_dl = tl.arange(0, BLOCK_DL)
+    mask = row_ok[:, None] & (offs_dl[None, :] < kv_lora_rank)
+    out_rows = part_out_ptr + b * stride_pob + rows[:, None] * stride_por + offs_dl[None, :]
+    acc = tl.zeros([BLOCK_H, BLOCK_DL], tl.float32)
+    for j in range(0, used):
+        weight = tl.exp(tl.load(lse_rows + j * stride_pls, mask=row_ok, other=float("-inf")) - lse_max)
+        acc += weight[:, None] * tl.load(out_rows + j * stride_pos, mask=mask, other=0.0)
+
+    has_keys = total > 0.0
+    out = acc / tl.where(has_keys, total, 1.0)[:, None]
+    lse = tl.where(has_keys, lse_max + tl.log(tl.where(has_keys, total, 1.0)), float("-inf"))
+    tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_or + offs_dl[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + b * stride_lb + rows * stride_lr, lse, mask=row_ok)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8   # interpreter: a nominal count, so the heuristic still splits long contexts
+
+
+def _block_sizes(kv_lora_rank: int, rope_dim: int) -> tuple[int, int, int, int]:
+    # 16 is the smallest M/K of a 16-bit tl.dot; widths pad to powers of two and are masked
+    block_dl = max(16, triton.next_power_of_2(kv_lora_rank))
+    block_dpe = max(16, triton.next_power_of_2(rope_dim))
+    block_n = 32 if block_dl >= 256 else 64
+    return 16, block_n, block_dl, block_dpe
+
+
+def _auto_num_splits(batch: int, row_blocks: int, context: int, device: torch.device) -> int:
+    """About two waves of programs over the GPU, but no split shorter than _MIN_SPLIT_TOKENS."""
+    wanted = -(-2 * _sm_count(device) // (batch * row_blocks))
+    longest = max(1, context // _MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, longest, _MAX_SPLITS))
+
+
+def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tensor, softmax_scale: float,
+               kv_lora_rank: int, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-MLA decode with the split-KV Triton kernel.
+
+    q: [B, Sq, H, kv_lora_rank + rope_dim], 1 <= Sq <= 4, contiguous (absorbed q_nope ‖ RoPE'd q_pe).
+    latent_cache: [B, Tmax, kv_lora_rank + rope_dim], rows contiguous; rows past seqlens[b] are never read.
+        Tmax also bounds the automatic split count, so pass latent_cache[:, :max_len] when it is known.
+    seqlens: int32 [B], valid rows per sequence including the Sq new ones (the last Sq rows), in
+        Sq..Tmax (0 marks a free batch slot: out 0, lse -inf). Not checked: that would sync the device.
+    softmax_scale: the model's scale (192-based times mscale² for V3), applied to the 576-wide dot.
+    num_splits: KV splits per sequence; None picks them from batch, heads, context and SM count.
+    Returns out [B, Sq, H, kv_lora_rank] in q.dtype and lse [B, Sq, H] float32 (natural log).
+    """
+    assert triton is not None, "mla_decode needs Triton; use mla_decode_ref (or mla_decode_auto)"
+    _check_inputs(q, latent_cache, seqlens, kv_lora_rank)
+    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"unsupported dtype {q.dtype}"
+    assert latent_cache.dtype == q.dtype, f"latent_cache dtype {latent_cache.dtype} != q dtype {q.dtype}"
+    assert q.is_contiguous(), "q must be contiguous"
+    batch, sq, heads, dk = q.shape
+    assert latent_cache.stride(2) == 1 and latent_cache.stride(1) == dk, (
+        f"latent_cache rows must be contiguous within a sequence, got strides {latent_cache.stride()}")
+    rope_dim = dk - kv_lora_rank
+    rows = sq * heads
+
+    block_h, block_n, block_dl, block_dpe = _block_sizes(kv_lora_rank, rope_dim)
+    row_blocks = triton.cdiv(rows, block_h)
+    if num_splits is None:
+        num_splits = _auto_num_splits(batch, row_blocks, latent_cache.shape[1], q.device)
+    assert isinstance(num_splits, int) and 1 <= num_splits <= _MAX_SPLITS, (
+        f"num_splits must be an int in 1..{_MAX_SPLITS}, got {num_splits!r}")
+    upcast = dispatch.interpreted()
+    num_warps = 8 if block_dl >= 256 else 4   # a 16 x 512 fp32 accumulator spills at 4 warps
+    precision = "ieee" if (upcast or q.dtype == torch.float32) else "tf32"
+
+    out = torch.empty(batch, sq, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, sq, heads, dtype=torch.float32, device=q.device)
+    if num_splits == 1:   # one split is already the answer: stage 1 writes out and lse directly
+        part_out, part_lse = out.view(batch, rows, 1, kv_lora_rank), lse.view(batch, rows, 1)
+    else:
+        part_out = torch.empty(batch, rows, num_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, rows, num_splits, dtype=torch.float32, device=q.device)
+
+    _mla_decode_split_kernel[(batch, row_blocks, num_splits)](
+        q, latent_cache, seqlens, part_out, part_lse,
+        softmax_scale * _LOG2E,
+        rows, heads, sq, kv_lora_rank, rope_dim,
+        q.stride(0), dk,
+        latent_cache.stride(0), latent_cache.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DL=block_dl, BLOCK_DPE=block_dpe,
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=2,
+    )
+    if num_splits > 1:
+        _mla_decode_merge_kernel[(batch, row_blocks)](
+            part_out, part_lse, seqlens, out, lse,
+            rows, num_splits, kv_lora_rank,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            out.stride(0), kv_lora_rank,
+            lse.stride(0), 1,
+            BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DL=block_dl, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=num_warps,
+        )
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch twin: fp32 math, one matmul pair per sequence. It is also the CPU decode path.
+# ----------------------------------------------------------------------------------------------
+
+def mla_decode_ref(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tensor, softmax_scale: float,
+                   kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `mla_decode`: same arguments and outputs, plain PyTorch in fp32.
+
+    Reads seqlens on the host once (a device sync on CUDA) and only the valid rows of each sequence.
+    """
+    _check_inputs(q, latent_cache, seqlens, kv_lora_rank)
+    batch, sq, heads, _ = q.shape
+    out = torch.empty(batch, sq, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, sq, heads, dtype=torch.float32, device=q.device)
+    steps = torch.arange(sq, device=q.device)
+    for b, length in enumerate(seqlens.tolist()):
+        keys = latent_cache[b, :length].float()                     # [T, Dk]; values = keys[:, :kv_lora_rank]
+        scores = torch.matmul(q[b].float(), keys.T) * softmax_scale  # [Sq, H, T]
+        if sq > 1:   # query s sits at position length - Sq + s and sees keys t <= it
+            hidden = torch.arange(length, device=q.device) > (length - sq + steps)[:, None]   # [Sq, T]
+            scores.masked_fill_(hidden[:, None, :], float("-inf"))
+        lse_b = torch.logsumexp(scores, dim=-1)                      # [Sq, H]
+        probs = torch.exp(scores - lse_b.masked_fill(lse_b == float("-inf"), 0.0)[..., None])
+        out[b] = torch.matmul(probs, keys[:, :kv_lora_rank]).to(q.dtype)
+        lse[b] = lse_b
+    return out, lse
+
+
+def mla_decode_auto(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tensor, softmax_scale: float,
+                    kv_lora_rank: int, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_decode` where kernels run (see dispatch.use_kernels), else `mla_decode_ref` (num_splits unused)."""
+    if dispatch.use_kernels(q.device):
+        return mla_decode(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, num_splits)
+    return mla_decode_ref(q, latent_cache, seqlens, softmax_scale, kv_lora_rank)
