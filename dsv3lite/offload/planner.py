@@ -1,0 +1,110 @@
+"""The --gpu-mem planner: what stays resident on the device, and how many expert slots the rest buys.
+
+Works from shapes alone (ModelArgs + the expert blob size), so `dsv3lite plan` reads no weights.
+Resident: embeddings, lm_head, attention, norms, routers, shared experts, dense MLPs, MTP non-expert
+parts, the latent KV cache for --ctx-size, and a workspace for activations. The rest of the budget
+becomes equal-size expert slots in one global pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import ModelArgs
+from ..errors import UserError
+from ..footprint import footprint
+from ..utils import format_bytes
+
+PREFILL_CHUNK = 512          # tokens per prefill chunk on an offloaded model (workspace sizing)
+SLACK_BYTES = 64 * 2**20     # allocator rounding and small temporaries
+MIN_SLOTS_PER_TOPK = 2       # slots >= 2 * top-k: a 2-token MTP verify may touch 2K experts of one layer
+
+
+@dataclass
+class Plan:
+    budget: int
+    components: dict[str, int]          # resident bytes per component
+    kv_cache: int
+    workspace: int
+    slot_bytes: int
+    n_slots: int
+    total_experts: int                  # routed experts of every MoE layer (MTP included when on)
+    expert_format: str
+    ctx_size: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def resident(self) -> int:
+        return sum(self.components.values()) + self.kv_cache + self.workspace
+
+    @property
+    def slots_total(self) -> int:
+        return self.n_slots * self.slot_bytes
+
+    @property
+    def fraction_resident(self) -> float:
+        return min(self.n_slots / self.total_experts, 1.0) if self.total_experts else 1.0
+
+    @property
+    def all_resident(self) -> bool:
+        return self.n_slots >= self.total_experts
+
+    def table(self) -> str:
+        rows = [(k, v) for k, v in self.components.items() if v] + [
+            (f"latent KV cache ({self.ctx_size} tokens)", self.kv_cache), ("workspace", self.workspace),
+            (f"expert slots ({self.n_slots} x {format_bytes(self.slot_bytes)}, {self.expert_format})", self.slots_total)]
+        width = max(len(k) for k, _ in rows)
+        lines = [f"  {k:<{width}}  {format_bytes(v):>12}  {100 * v / self.budget:5.1f}%" for k, v in rows]
+        used = self.resident + self.slots_total
+        lines.append(f"  {'total':<{width}}  {format_bytes(used):>12}  {100 * used / self.budget:5.1f}%  "
+                     f"of --gpu-mem {format_bytes(self.budget)}")
+        lines.append(f"  experts resident: {min(self.n_slots, self.total_experts)} / {self.total_experts} "
+                     f"({self.fraction_resident:.1%})")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def resident_components(a: ModelArgs, dense_bytes: int, mtp: bool) -> dict[str, int]:
+    fp = footprint(a)
+    comps = {
+        "embeddings": fp.embed, "lm_head": fp.head, "attention + norms": fp.attention + fp.final_norm,
+        "dense MLPs": fp.dense_mlp, "shared experts": fp.shared_experts,
+    }
+    out = {k: v * dense_bytes for k, v in comps.items()}
+    out["routers (fp32)"] = fp.routers * 4
+    if mtp and fp.mtp_dense:
+        out["MTP (non-expert)"] = fp.mtp_dense * dense_bytes
+    return out
+
+
+def workspace_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
+    """Activations of one prefill chunk: logits, MLP intermediates, expanded K/V for the naive attention."""
+    chunk = min(PREFILL_CHUNK, ctx_size)
+    logits = chunk * a.vocab_size * 4 * 2                            # logits + fp32 copy
+    hidden = chunk * (8 * a.hidden_size + 3 * max(a.intermediate_size, a.moe_intermediate_size)) * 4
+    expanded_kv = ctx_size * a.num_attention_heads * (a.qk_head_dim + a.v_head_dim) * dense_bytes
+    scores = chunk * a.num_attention_heads * min(ctx_size, 4 * chunk) * 4
+    return logits + hidden + expanded_kv + scores + SLACK_BYTES
+
+
+def make_plan(a: ModelArgs, budget: int, ctx_size: int, slot_bytes: int, expert_format: str,
+              dense_bytes: int = 2, mtp: bool = True, kv_bytes: int | None = None) -> Plan:
+    """Place everything resident; the rest of `budget` becomes expert slots. Too small -> UserError."""
+    mtp = mtp and a.num_nextn_predict_layers > 0
+    n_blocks = a.num_hidden_layers + (1 if mtp else 0)
+    kv = n_blocks * ctx_size * a.latent_dim * (kv_bytes or dense_bytes)
+    comps = resident_components(a, dense_bytes, mtp)
+    n_moe = len(a.moe_layer_ids) + (1 if mtp else 0)
+    plan = Plan(budget=budget, components=comps, kv_cache=kv, workspace=workspace_bytes(a, ctx_size, dense_bytes),
+                slot_bytes=slot_bytes, n_slots=0, total_experts=n_moe * a.n_routed_experts,
+                expert_format=expert_format, ctx_size=ctx_size)
+    free = budget - plan.resident
+    plan.n_slots = max(min(free // slot_bytes, plan.total_experts), 0) if slot_bytes else 0
+    min_slots = min(MIN_SLOTS_PER_TOPK * a.num_experts_per_tok, plan.total_experts)
+    if plan.n_slots < min_slots:
+        need = plan.resident + min_slots * slot_bytes
+        biggest = max(comps.items(), key=lambda kv_: kv_[1])
+        raise UserError(
+            f"--gpu-mem {format_bytes(budget)} is too small: the resident set needs {format_bytes(plan.resident)} "
+            f"(largest: {biggest[0]} {format_bytes(biggest[1])}, KV cache for --ctx-size {ctx_size} "
+            f"{format_bytes(kv)}) plus {min_slots} expert slots of {format_bytes(slot_bytes)}; minimum --gpu-mem is "
+            f"{format_bytes(need)} (or lower --ctx-size, use a smaller --experts format, or --no-mtp)")
+    return plan
