@@ -267,6 +267,25 @@ def info(weights, as_json):
                f"(bf16, {a.num_hidden_layers} layers)")
 
 
+@cli.command()
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--experts", type=click.Choice(["int4", "fp8", "nf4", "bf16"]), required=True,
+              help="Format of the routed experts.")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+              help="int4 group size along the input dimension.")
+@click.option("--dense", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
+              help="Non-expert weights: bf16, or keep an FP8 source's FP8 tensors.")
+@click.option("--force", is_flag=True, help="Replace an existing DST.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from DST.partial/.")
+def quantize(src, dst, experts, group_size, dense, force, resume):
+    """Write SRC (HF checkpoint) to DST with routed experts as one packed blob each (expert-major)."""
+    from .quant.checkpoint import quantize_checkpoint
+
+    quantize_checkpoint(src, dst, experts=experts, group_size=int(group_size), dense=dense, force=force,
+                        resume=resume, progress=True, log=log)
+
+
 def main(argv=None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:

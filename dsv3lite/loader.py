@@ -17,6 +17,7 @@ from torch import nn
 from .config import ModelArgs
 from .errors import UserError
 from .model import Transformer
+from .quant.fp8 import fp8_block_dequant, scale_grid_shape
 
 # checkpoint suffix (inside model.layers.N.) -> module suffix (inside layers.N.)
 LAYER_NAMES = {
@@ -57,7 +58,6 @@ TOP_NAMES = {
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-FP8_BLOCK = 128
 # kept in fp32 whatever the compute dtype (as transformers does)
 _FP32_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")
 
@@ -151,11 +151,9 @@ def read_header(path: Path) -> dict:
     return header
 
 
-def dequant_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """bf16(fp32(w) * s[i // block, j // block]): one fp32 multiply, one bf16 rounding; partial edge blocks allowed."""
-    rows, cols = weight.shape
-    s = scale_inv.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
-    return (weight.float() * s).to(torch.bfloat16)
+def dequant_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """bf16(fp32(w) * s[i // 128, j // 128]): one fp32 multiply, one bf16 rounding; partial edge blocks allowed."""
+    return fp8_block_dequant(weight, scale_inv, torch.bfloat16)
 
 
 def get_module_tensor(model: nn.Module, name: str) -> torch.Tensor:
@@ -224,7 +222,9 @@ class Loader:
         self.device, self.dtype, self.progress = device, dtype, progress
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
 
-    def load(self, args: ModelArgs | None = None, expert_sink=None) -> Transformer:
+    def load(self, args: ModelArgs | None = None, expert_provider=None) -> Transformer:
+        """expert_provider(layer_id) -> module: when given, routed experts come from it (a quantized store,
+        the offloading runtime) and the checkpoint's per-expert tensors are not read."""
         args = args or ModelArgs.from_dir(self.root)
         index = CheckpointIndex.open(self.root)
         with_mtp, notice = mtp_status(index, args)
@@ -232,6 +232,10 @@ class Loader:
             self.log(notice)
         with torch.device("meta"):
             model = Transformer(args, with_mtp=with_mtp)
+        self.external_experts = expert_provider is not None
+        if expert_provider is not None:
+            for moe in model.moe_modules():
+                moe.experts = expert_provider(moe.layer_id)
         expected = expected_tensors(model)
         filled: set[str] = set()
         experts_seen: dict[str, set[int]] = {}
@@ -259,7 +263,7 @@ class Loader:
                 if name.endswith("_scale_inv"):
                     continue
                 target = map_name(name, args)
-                if target is None:
+                if target is None or (target.expert is not None and self.external_experts):
                     ignored.append(name)
                     continue
                 tensor = self._read(f, name, shard, model, args)
@@ -275,7 +279,7 @@ class Loader:
             if scale_name not in f.keys():
                 raise UserError(f"FP8 tensor {name} in {shard.name} has no {scale_name}")
             scale = f.get_tensor(scale_name)
-            grid = (-(-t.shape[0] // FP8_BLOCK), -(-t.shape[1] // FP8_BLOCK))
+            grid = scale_grid_shape(*t.shape)
             if tuple(scale.shape) != grid:
                 raise UserError(f"{scale_name} in {shard.name} has shape {tuple(scale.shape)}, expected {grid} "
                                 f"for a {tuple(t.shape)} weight with 128x128 blocks")

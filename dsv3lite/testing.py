@@ -154,28 +154,13 @@ def write_checkpoint(path: str | os.PathLike, variant: str = "v3", seed: int = 0
 FP8_SKIP = ("norm", "mlp.gate.weight", "embed_tokens", "lm_head", "eh_proj", "e_score_correction_bias")
 
 
-def fp8_quantize_block(w, block: int = 128):
-    """e4m3 weight + float32 scale_inv [ceil(N/128), ceil(K/128)] with per-block amax/448 (edge blocks partial)."""
-    import torch
-
-    rows, cols = w.shape
-    gr, gc = -(-rows // block), -(-cols // block)
-    scale = torch.empty(gr, gc, dtype=torch.float32)
-    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
-    for i in range(gr):
-        for j in range(gc):
-            tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block].float()
-            s = tile.abs().max().clamp(min=1e-12) / 448.0
-            scale[i, j] = s
-            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / s).to(torch.float8_e4m3fn)
-    return q, scale
-
-
 def write_fp8_copy(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Copy an HF checkpoint with every projection weight as FP8 e4m3 + weight_scale_inv (DeepSeek's layout)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
+
+    from .quant.fp8 import fp8_block_quantize
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -185,7 +170,7 @@ def write_fp8_copy(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     out = {}
     for name, t in tensors.items():
         if t.dim() == 2 and name.endswith(".weight") and not any(s in name for s in FP8_SKIP):
-            out[name], out[name + "_scale_inv"] = fp8_quantize_block(t)
+            out[name], out[name + "_scale_inv"] = fp8_block_quantize(t)
         else:
             out[name] = t
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})

@@ -48,7 +48,7 @@ def test_fp8_checkpoint_matches_transformers_on_reference_dequantized_weights(fp
 
 def test_fp8_dequant_is_one_fp32_multiply_then_one_bf16_rounding():
     from dsv3lite.loader import dequant_fp8
-    from dsv3lite.testing import fp8_quantize_block
+    from dsv3lite.quant.fp8 import fp8_block_quantize as fp8_quantize_block
 
     w = torch.randn(576, 200)                 # a partial row block (576 = 4*128 + 64) and column block
     q, s = fp8_quantize_block(w)
