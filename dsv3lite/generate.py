@@ -17,6 +17,8 @@ import torch
 from .errors import UserError
 
 PREFILL_CHUNK = 512
+ABSORB_MAX_TOKENS = 4        # forwards of up to this many tokens use the absorbed (latent) attention
+MAX_DRAFT_TOKENS = 3
 
 
 @dataclass
@@ -114,6 +116,68 @@ class StopMatcher:
         return out
 
 
+class _Emitter:
+    """Turns sampled tokens into streamed chunks: stop ids, stop strings, max_tokens, context room."""
+
+    def __init__(self, engine: "Engine", params: SamplingParams, stats: "RunStats"):
+        self.engine, self.params, self.stats = engine, params, stats
+        self.decoder = engine.tokenizer.stream_decoder() if engine.tokenizer is not None else None
+        self.stopper = StopMatcher(params.stop)
+
+    def _flush(self) -> str:
+        return self.decoder.flush() if self.decoder else ""
+
+    def push(self, token: int) -> Chunk:
+        self.stats.generated_tokens += 1
+        if token in self.engine.stop_ids:
+            return Chunk(self.stopper.flush() + self._flush(), token, "stop")
+        text, stopped = self.stopper.feed(self.decoder.push(token) if self.decoder else "")
+        if stopped:
+            return Chunk(text, token, "stop")
+        out_of_room = len(self.engine.cached_tokens) + 1 >= self.engine.ctx_size
+        if self.stats.generated_tokens >= self.params.max_tokens or out_of_room:
+            tail, stopped = self.stopper.feed(self._flush())
+            return Chunk(text + tail + ("" if stopped else self.stopper.flush()), token,
+                         "stop" if stopped else "length")
+        return Chunk(text, token)
+
+
+class MTPTimer:
+    """Decides whether speculation pays: a few plain steps are timed first, then speculative steps; after
+    JUDGE_AFTER of them, MTP is turned off if it produced fewer tokens per second than plain decoding."""
+    PROBE_PLAIN = 3
+    JUDGE_AFTER = 16
+
+    def __init__(self, adaptive: bool = True):
+        self.adaptive = adaptive
+        self.plain_s: list[float] = []
+        self.spec_s = 0.0
+        self.spec_tokens = 0
+        self.spec_steps = 0
+        self.judged = not adaptive
+
+    def probing(self) -> bool:
+        return self.adaptive and len(self.plain_s) < self.PROBE_PLAIN
+
+    def plain(self, dt: float) -> None:
+        self.plain_s.append(dt)
+
+    def spec(self, dt: float, tokens: int) -> None:
+        self.spec_s += dt
+        self.spec_tokens += tokens
+        self.spec_steps += 1
+
+    def verdict(self) -> str | None:
+        if self.judged or self.spec_steps < self.JUDGE_AFTER or not self.plain_s:
+            return None
+        self.judged = True
+        plain_rate = 1.0 / sorted(self.plain_s)[len(self.plain_s) // 2]
+        spec_rate = self.spec_tokens / self.spec_s
+        if spec_rate < 0.97 * plain_rate:
+            return f"measured {spec_rate:.1f} tok/s with MTP vs {plain_rate:.1f} tok/s without"
+        return None
+
+
 def empty_expert_cache_stats() -> dict:
     return {"hits": 0, "prefetch_hits": 0, "demand_misses": 0, "hit_rate": 0.0, "h2d_bytes": 0,
             "h2d_gb_s": 0.0, "stall_ms": 0.0, "cpu_experts": 0, "predictor_precision": 0.0,
@@ -138,7 +202,8 @@ class Engine:
     """Generation over one model. Thread-safe: one generation at a time (a lock)."""
 
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, ctx_size: int = 4096,
-                 mtp: bool = True, weights: str | None = None, log=None):
+                 mtp: bool = True, weights: str | None = None, log=None, num_draft_tokens: int = 1,
+                 mtp_adaptive: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
@@ -152,11 +217,17 @@ class Engine:
         self.mtp_enabled = bool(mtp) and model.mtp is not None
         self.mtp_off_reason = None if self.mtp_enabled else (
             "disabled by the caller" if not mtp else "the checkpoint has no MTP weights")
+        if not 1 <= int(num_draft_tokens) <= MAX_DRAFT_TOKENS:
+            raise UserError(f"--num-draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {num_draft_tokens}")
+        self.num_draft_tokens = int(num_draft_tokens)
+        self.mtp_timer = MTPTimer(mtp_adaptive)
+        self.mtp_valid = 0                                # valid MTP-cache positions (pairs (h_i, t_{i+1}))
+        self.mtp_out: torch.Tensor | None = None          # MTP output of the last valid pair (drafts come from it)
         self.lock = threading.Lock()
         self.cache: torch.Tensor | None = None           # [n_blocks, 1, ctx, latent_dim]
         self.cached_tokens: list[int] = []                # tokens whose latents are valid in self.cache
         self.last = RunStats()
-        self.expert_stats_fn = None                       # set by the offloading runtime
+        self.offload = None                               # the offloading runtime, when experts are offloaded
         self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
 
     # --- public API ---------------------------------------------------------------------------
@@ -189,11 +260,12 @@ class Engine:
     def reset(self) -> None:
         """Forget the cached conversation."""
         self.cached_tokens = []
+        self.mtp_valid = 0
 
     def stats(self) -> dict:
         s = self.last
         decode_tokens = max(s.generated_tokens - 1, 0)
-        expert = self.expert_stats_fn() if self.expert_stats_fn else empty_expert_cache_stats()
+        expert = self.offload.stats() if self.offload is not None else empty_expert_cache_stats()
         return {
             "prefill_tok_s": s.prefilled_tokens / s.prefill_s if s.prefill_s > 0 else 0.0,
             "decode_tok_s": decode_tokens / s.decode_s if s.decode_s > 0 else 0.0,
@@ -227,36 +299,67 @@ class Engine:
         if self.cache is None or self.cache.shape[0] != n_blocks:
             self.cache = torch.zeros(n_blocks, 1, self.ctx_size, self.args.latent_dim, dtype=self.dtype,
                                      device=self.device)
-            self.cached_tokens = []
+            self.reset()
         return self.cache
 
     def _main_cache(self) -> torch.Tensor:
         return self.cache[: self.args.num_hidden_layers]
 
-    def _prefill(self, ids: list[int]) -> torch.Tensor:
-        """Make the cache hold `ids`; return the last position's logits [vocab]. Reuses the cached prefix."""
+    def _forward(self, tokens: list[int], start: int, all_logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Main model over `tokens` at positions start.. -> (final-normed hidden [S, D], logits [S or 1, V])."""
+        x = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        h = self.model.hidden(x, start, self._main_cache(), absorb=len(tokens) <= ABSORB_MAX_TOKENS)[0]
+        return h, self.model.head(h if all_logits else h[-1:])
+
+    def _prefill(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Make the cache hold `ids`, reusing the cached prefix. -> (last logits [V], hidden of the
+        positions computed [n - start, D], start)."""
         common = 0
         for a, b in zip(self.cached_tokens, ids):
             if a != b:
                 break
             common += 1
         common = min(common, len(ids) - 1)                 # at least one token runs, for its logits
+        if self.mtp_enabled:
+            # MTP pair i is (h_i, t_{i+1}): recompute from the first pair that is stale, for its hidden
+            common = max(min(common, self.mtp_valid, len(ids) - 1), 0)
+            self.mtp_valid = min(self.mtp_valid, common)
         self.cached_tokens = self.cached_tokens[:common]
         self.last.cached_prompt_tokens = common
-        logits = None
+        hiddens, logits = [], None
         for start in range(common, len(ids), PREFILL_CHUNK):
             chunk = ids[start:start + PREFILL_CHUNK]
-            x = torch.tensor([chunk], dtype=torch.long, device=self.device)
-            logits = self.model(x, start, self._main_cache(), absorb=len(chunk) == 1)[0, -1]
+            h, logits = self._forward(chunk, start, all_logits=False)
+            hiddens.append(h)
             self.cached_tokens = ids[:start + len(chunk)]
-        return logits
+        return logits[-1], torch.cat(hiddens), common
 
-    def _decode(self, token: int) -> torch.Tensor:
-        pos = len(self.cached_tokens)
-        x = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        logits = self.model(x, pos, self._main_cache(), absorb=True)[0, -1]
-        self.cached_tokens.append(token)
-        return logits
+    def _mtp_catch_up(self, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
+        """Run the MTP layer on accepted pairs (h_i, t_{i+1}) at positions start..; keep the last output."""
+        assert start == self.mtp_valid, "MTP cache out of step with the main cache"
+        mtp_cache = self.cache[self.args.num_hidden_layers]
+        out = None
+        for i in range(0, len(next_tokens), PREFILL_CHUNK):
+            toks = torch.tensor([next_tokens[i:i + PREFILL_CHUNK]], dtype=torch.long, device=self.device)
+            h = hidden[i:i + PREFILL_CHUNK][None]
+            out = self.model.mtp_hidden(h, toks, start + i, mtp_cache, absorb=toks.shape[1] <= ABSORB_MAX_TOKENS)
+        self.mtp_valid = start + len(next_tokens)
+        self.mtp_out = out[0, -1]
+
+    def _draft(self, k: int, params: SamplingParams, gen) -> tuple[list[int], list[torch.Tensor]]:
+        """k draft tokens from the MTP head (its own output fed back for drafts 2..k), with their q vectors."""
+        mtp_cache = self.cache[self.args.num_hidden_layers]
+        drafts, qs = [], []
+        out = self.mtp_out
+        for j in range(k):
+            q = sampling_probs(self.model.head(out), params)
+            d = sample(q, gen)
+            drafts.append(d)
+            qs.append(q)
+            if j + 1 < k:       # speculative MTP positions; catch-up overwrites them
+                toks = torch.tensor([[d]], dtype=torch.long, device=self.device)
+                out = self.model.mtp_hidden(out[None, None], toks, self.mtp_valid + j, mtp_cache, absorb=True)[0, -1]
+        return drafts, qs
 
     def _generate(self, ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
         if not ids:
@@ -275,39 +378,66 @@ class Engine:
             gen = None
             if params.seed is not None:
                 gen = torch.Generator().manual_seed(params.seed)
+            if self.offload is not None:
+                self.offload.reset_stats()
             t0 = time.perf_counter()
-            logits = self._prefill(ids)
+            logits, hidden, start = self._prefill(ids)
+            if self.offload is not None:
+                self.offload.end_prefill()
             stats.prefilled_tokens = len(ids) - stats.cached_prompt_tokens
+            token = sample(sampling_probs(logits, params), gen)
+            if self.mtp_enabled:
+                self._mtp_catch_up(hidden, ids[start + 1:] + [token], start)
             stats.prefill_s = time.perf_counter() - t0
-            decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
-            stopper = StopMatcher(params.stop)
-            t_first = None
-            produced = 0
+            stats.ttft_s = stats.prefill_s
+            t_first = time.perf_counter()
+            emit = _Emitter(self, params, stats)
+            new = [token]
             while True:
-                token = sample(sampling_probs(logits, params), gen)
-                produced += 1
-                stats.generated_tokens = produced
-                now = time.perf_counter()
-                if t_first is None:
-                    t_first = now
-                    stats.ttft_s = now - t0
-                stats.decode_s = now - t_first
-                if token in self.stop_ids:
-                    tail = stopper.flush() + (decoder.flush() if decoder else "")
-                    yield Chunk(tail, token, "stop")
-                    return
-                text = decoder.push(token) if decoder else ""
-                text, stopped = stopper.feed(text)
-                if stopped:
-                    yield Chunk(text, token, "stop")
-                    return
-                out_of_room = len(self.cached_tokens) + 1 >= self.ctx_size
-                if produced >= params.max_tokens or out_of_room:
-                    tail = (decoder.flush() if decoder else "")
-                    text2, stopped = stopper.feed(tail)
-                    yield Chunk(text + text2 + ("" if stopped else stopper.flush()), token,
-                                "stop" if stopped else "length")
-                    return
-                yield Chunk(text, token)
-                logits = self._decode(token)
-                stats.main_forwards += 1
+                for t in new:
+                    chunk = emit.push(t)
+                    stats.decode_s = time.perf_counter() - t_first
+                    yield chunk
+                    if chunk.finish_reason:
+                        return
+                token = new[-1]
+                new = self._step(token, params, gen, stats)
+
+    def _step(self, token: int, params: SamplingParams, gen, stats: RunStats) -> list[int]:
+        """One decode step from `token` (sampled, not yet cached) -> the new tokens it yields (1..k+1)."""
+        from .speculative import accept_drafts
+
+        m = len(self.cached_tokens)
+        k = min(self.num_draft_tokens, self.ctx_size - m - 2) if self.mtp_active() else 0
+        t0 = time.perf_counter()
+        if k > 0:
+            drafts, qs = self._draft(k, params, gen)
+            h, logits = self._forward([token] + drafts, m, all_logits=True)
+            a, nxt = accept_drafts([sampling_probs(l, params) for l in logits], drafts, qs, gen)
+            self.cached_tokens += [token] + drafts[:a]
+            new = drafts[:a] + [nxt]
+            self._mtp_catch_up(h[:a + 1], new, m)
+            stats.drafted += k
+            stats.accepted += a
+            self.mtp_timer.spec(time.perf_counter() - t0, len(new))
+        else:
+            h, logits = self._forward([token], m, all_logits=True)
+            self.cached_tokens.append(token)
+            new = [sample(sampling_probs(logits[0], params), gen)]
+            self.mtp_timer.plain(time.perf_counter() - t0)
+            if self.mtp_enabled:
+                self._mtp_catch_up(h, new, m)
+        stats.main_forwards += 1
+        return new
+
+    def mtp_active(self) -> bool:
+        """Speculate this step? Off when MTP is off, or after measurements showed it slower than plain decoding."""
+        if not self.mtp_enabled:
+            return False
+        verdict = self.mtp_timer.verdict()
+        if verdict is not None:
+            self.mtp_enabled = False
+            self.mtp_off_reason = verdict
+            self.log(f"note: MTP speculation turned off: {verdict}")
+            return False
+        return not self.mtp_timer.probing()

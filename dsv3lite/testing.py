@@ -209,3 +209,114 @@ def hf_reference_for_fp8(fp8_dir: str | os.PathLike, variant: str = "v3fp8"):
     from safetensors.torch import save_file
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, experts_implementation="eager").eval()
+
+
+def add_mtp_weights(path: str | os.PathLike, seed: int = 1, init_std: float = 0.08) -> Path:
+    """Give a tiny checkpoint a random MTP layer (model.layers.{num_hidden_layers}.*: a full MoE decoder
+    layer plus enorm, hnorm, eh_proj and shared_head.norm), as DeepSeek-V3 checkpoints carry one."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    variant_model = hf_model_from_config(cfg, seed=seed, init_std=init_std, num_hidden_layers=1,
+                                         first_k_dense_replace=0)
+    tensors = load_file(path / "model.safetensors")
+    d = cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in variant_model.state_dict().items():
+        if name.startswith("model.layers.0."):
+            tensors[f"model.layers.{n}." + name[len("model.layers.0."):]] = t.detach().clone().contiguous()
+    _split_expert_tensors(tensors, n)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"model.layers.{n}.{norm}.weight"] = 1.0 + 0.1 * torch.randn(d, generator=gen)
+    tensors[f"model.layers.{n}.eh_proj.weight"] = init_std * torch.randn(d, 2 * d, generator=gen)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def hf_model_from_config(cfg: dict, seed: int = 0, init_std: float = 0.08, **overrides):
+    """A random transformers model with the shapes of an existing config.json (plus overrides)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
+    spec.update(overrides, initializer_range=init_std)
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.05)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _split_expert_tensors(tensors: dict, layer: int) -> None:
+    """transformers keeps experts fused in memory (gate_up_proj [E, 2I, D], down_proj [E, D, I]); checkpoints
+    store them per expert. Split the fused tensors of `layer` into hub names."""
+    prefix = f"model.layers.{layer}.mlp.experts."
+    gate_up = tensors.pop(prefix + "gate_up_proj", None)
+    down = tensors.pop(prefix + "down_proj", None)
+    if gate_up is None:
+        return
+    inter = gate_up.shape[1] // 2
+    for e in range(gate_up.shape[0]):
+        tensors[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :inter].contiguous()
+        tensors[f"{prefix}{e}.up_proj.weight"] = gate_up[e, inter:].contiguous()
+        tensors[f"{prefix}{e}.down_proj.weight"] = down[e].contiguous()
+
+
+def hf_mtp_logits(hf, path: str | os.PathLike, input_ids):
+    """Oracle for the MTP head: transformers' MtpLayer with the checkpoint's MTP weights copied in by hand
+    (its own lookup assumes layer 61). Returns logits [B, T-1, V] for pairs (h_i, t_{i+1}), i < T-1."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_layers import MtpLayer
+
+    cfg = hf.config
+    n = cfg.num_hidden_layers
+    mtp_cfg = cfg.get_mtp_config()
+    layer_cls = type(hf.model.layers[-1])
+    norm_cls = type(hf.model.norm)
+    mtp = MtpLayer(mtp_cfg, layer_cls, norm_cls, 0).eval()
+    tensors = load_file(Path(path) / "model.safetensors")
+    prefix = f"model.layers.{n}."
+    state = {}
+    for name, t in tensors.items():
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix):]
+        if rest.startswith(("embed_tokens", "shared_head.head")):
+            continue
+        rest = rest.replace("shared_head.norm", "post_norm")
+        if rest.split(".")[0] not in ("enorm", "hnorm", "eh_proj", "post_norm"):
+            rest = "mtp_block." + rest
+        state[rest] = t
+    # fuse per-expert weights into transformers' in-memory layout
+    experts = sorted({int(k.split(".")[3]) for k in state if k.startswith("mtp_block.mlp.experts.")})
+    if experts:
+        p = "mtp_block.mlp.experts."
+        gate = [state.pop(f"{p}{e}.gate_proj.weight") for e in experts]
+        up = [state.pop(f"{p}{e}.up_proj.weight") for e in experts]
+        down = [state.pop(f"{p}{e}.down_proj.weight") for e in experts]
+        state[p + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        state[p + "down_proj"] = torch.stack(down)
+    missing, unexpected = mtp.load_state_dict(state, strict=False)
+    assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
+    mtp.mtp_block.mlp.experts.config._experts_implementation = "eager"
+    with torch.no_grad():
+        hidden = hf.model(input_ids).last_hidden_state                 # after model.norm
+        emb = hf.model.embed_tokens(input_ids[:, 1:])
+        prev = hidden[:, :-1]
+        pos = torch.arange(1, input_ids.shape[1], device=input_ids.device)[None]   # HF's i+1 convention
+        pe = hf.model.rotary_emb(emb, pos)
+        mask = create_causal_mask(config=mtp_cfg, inputs_embeds=emb, attention_mask=None, cache=None,
+                                  position_ids=pos)
+        out = mtp(emb, prev, position_embeddings=pe, attention_mask=mask, position_ids=pos, cache=None)
+        return hf.lm_head(out)

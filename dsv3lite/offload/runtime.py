@@ -1,0 +1,284 @@
+"""The offloading runtime: owns the routed experts of an offloaded model through the `MoE.experts` seam.
+
+Per layer: the predictor (called after attention) reads the exact routing of this layer and the
+predicted routing of the next `lookahead` MoE layers to the host in one transfer, pins those experts and
+starts prefetch copies; the layer's MoE then serves each chosen expert from its slot (waiting only for
+copies still in flight), or, on a miss, from a demand copy or a CPU computation, whichever the start-up
+cost model says is faster. Routed outputs are summed in ascending expert id whatever computed them.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from ..model import combine_experts
+from ..quant.layout import BlobLayout, ExpertFormat
+from .cache import Counters, ExpertCache, HostStore
+from .policy import make_policy
+from .predictor import RoutePredictor
+
+BULK_TOKENS = 8          # more tokens than this in one MoE call: prefill, stream the layer's experts in bulk
+BULK_WINDOW = 4          # copies kept in flight ahead of compute while streaming a layer in bulk
+MISS_POLICIES = ("auto", "fetch", "cpu")
+
+
+class CostModel:
+    """Measured at start-up: H2D bytes/s and CPU seconds per expert per token for the expert format."""
+
+    def __init__(self, h2d_bytes_per_s: float, cpu_s_per_token: float, blob_bytes: int):
+        self.h2d_bytes_per_s = h2d_bytes_per_s
+        self.cpu_s_per_token = cpu_s_per_token
+        self.blob_bytes = blob_bytes
+
+    def fetch_s(self) -> float:
+        return self.blob_bytes / self.h2d_bytes_per_s
+
+    def cpu_s(self, n_tokens: int) -> float:
+        return self.cpu_s_per_token * max(n_tokens, 1)
+
+    def prefer_cpu(self, n_tokens: int) -> bool:
+        return self.cpu_s(n_tokens) < self.fetch_s()
+
+    @classmethod
+    def measure(cls, cache: ExpertCache, fmt: ExpertFormat, layout: BlobLayout, key, dtype) -> "CostModel":
+        host_blob = cache.host.blob(key)
+        slot = cache.pool[0]
+        best = float("inf")
+        for _ in range(3):
+            if cache.cuda:
+                torch.cuda.synchronize(cache.device)
+            t0 = time.perf_counter()
+            slot.copy_(host_blob, non_blocking=cache.cuda)
+            if cache.cuda:
+                torch.cuda.synchronize(cache.device)
+            best = min(best, time.perf_counter() - t0)
+        x = torch.zeros(1, layout.hidden, dtype=dtype)
+        cpu = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fmt.expert_forward(host_blob, x, layout)
+            cpu = min(cpu, time.perf_counter() - t0)
+        return cls(layout.blob_bytes / max(best, 1e-9), cpu, layout.blob_bytes)
+
+
+class OffloadedExperts(nn.Module):
+    """The provider installed in each MoE layer: forwards to the shared runtime."""
+
+    def __init__(self, runtime: "OffloadRuntime", layer_id: int):
+        super().__init__()
+        self.runtime = runtime
+        self.layer_id = layer_id
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.runtime.forward(self.layer_id, x, ids, weights)
+
+
+class OffloadRuntime:
+    def __init__(self, host: HostStore, fmt: ExpertFormat, layout: BlobLayout, n_slots: int,
+                 device: torch.device, dtype: torch.dtype, lookahead: int = 2, miss_policy: str = "auto",
+                 policy: str = "decayed-lfu", log=None):
+        from ..errors import UserError
+
+        if miss_policy not in MISS_POLICIES:
+            raise UserError(f"unknown --miss-policy {miss_policy!r}: use {', '.join(MISS_POLICIES)}")
+        self.host, self.fmt, self.layout = host, fmt, layout
+        self.device, self.dtype = device, dtype
+        self.lookahead = lookahead
+        self.miss_policy = miss_policy
+        self.cache = ExpertCache(n_slots, host, device, make_policy(policy))
+        self.log = log or (lambda m: None)
+        self.predictor: RoutePredictor | None = None
+        self.first_moe_layer: int | None = None
+        self.known_ids: dict[int, list[list[int]]] = {}        # layer -> exact routing read by the hook
+        self.pending: dict[int, list[tuple[int, set[int]]]] = {}  # layer -> [(distance, predicted set)]
+        self.prefill_counts: dict[tuple[int, int], int] = {}
+        self.per_layer: dict[int, Counters] = {}
+        any_key = (next(iter(host.layers)), 0)
+        self.cost = CostModel.measure(self.cache, fmt, layout, any_key, dtype)
+        self._t_start = time.perf_counter()
+
+    # --- wiring --------------------------------------------------------------------------------
+    def provider(self, layer_id: int) -> OffloadedExperts:
+        return OffloadedExperts(self, layer_id)
+
+    def attach(self, model) -> None:
+        self.predictor = RoutePredictor(model, self.lookahead)
+        self.first_moe_layer = min(m.layer_id for m in model.moe_modules())
+        previous = model.layer_hook
+
+        def hook(layer, h):
+            if previous is not None:
+                previous(layer, h)
+            self.after_attention(layer, h)
+
+        model.layer_hook = hook
+
+    # --- prediction and prefetch ----------------------------------------------------------------
+    def after_attention(self, layer, h: torch.Tensor) -> None:
+        tokens = h.shape[0] * h.shape[1]
+        if tokens > BULK_TOKENS:
+            return                                   # prefill: the layer's experts are streamed in bulk
+        predicted = self.predictor.predict(layer, h)
+        pins: set = set()
+        for target, (distance, rows) in predicted.items():
+            chosen = {e for row in rows for e in row}
+            pins |= {(target, e) for e in chosen}
+            if distance == 0:
+                self.known_ids[target] = rows
+            else:
+                self.pending.setdefault(target, []).append((distance, chosen))
+        self.cache.pinned = pins
+        # prefetch nearest layers first, never evicting what is pinned or in flight
+        for target, (distance, rows) in sorted(predicted.items(), key=lambda kv: kv[1][0]):
+            if distance == 0:
+                continue
+            for e in sorted({e for row in rows for e in row}):
+                if self.cache.lookup((target, e)) is None:
+                    if self.cache.load((target, e), "prefetch") is None:
+                        break
+
+    # --- the MoE of one layer -------------------------------------------------------------------
+    def forward(self, layer_id: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if layer_id == self.first_moe_layer:
+            self.cache.now += 1
+        rows = self.known_ids.pop(layer_id, None)
+        if rows is None or len(rows) != n:
+            rows = ids.tolist()
+        counts = self.per_layer.setdefault(layer_id, Counters())
+        if n > BULK_TOKENS:
+            return self._bulk(layer_id, x, ids, weights, rows, counts)
+        used = sorted({e for row in rows for e in row})
+        self._score_predictions(layer_id, set(used))
+        self.cache.pinned |= {(layer_id, e) for e in used}
+        place = {e: self._place(layer_id, e, n, counts) for e in used}
+        out = combine_experts(lambda e, xs: self._compute(place[e], layer_id, e, xs), x, ids, weights)
+        self.cache.release([s for s in place.values() if s is not None])
+        self.cache.collect_copy_time()
+        return out
+
+    def _place(self, layer_id: int, e: int, n_tokens: int, counts: Counters) -> int | None:
+        """Slot that will serve expert e (None: compute it on the CPU); updates hit/miss counters."""
+        key = (layer_id, e)
+        cache = self.cache
+        cache.policy.touch(key, cache.now)
+        slot = cache.lookup(key)
+        if slot is not None:
+            s = cache.slots[slot]
+            kind = "prefetch_hits" if (s.kind == "prefetch" and not s.used) else "hits"
+            s.used = True
+            self._count(counts, kind)
+            return slot
+        self._count(counts, "demand_misses")
+        use_cpu = self.miss_policy == "cpu" or (self.miss_policy == "auto" and self.cost.prefer_cpu(n_tokens))
+        if not use_cpu:
+            slot = cache.load(key, "demand")
+            if slot is None:                          # demand outranks predictions for later layers
+                cache.pinned = {k for k in cache.pinned if k[0] == layer_id}
+                slot = cache.load(key, "demand")
+            if slot is not None:
+                cache.slots[slot].used = True
+                return slot
+        self._count(counts, "cpu_experts")
+        return None
+
+    def _compute(self, slot: int | None, layer_id: int, e: int, xs: torch.Tensor) -> torch.Tensor:
+        if slot is None:
+            host_in = xs.to("cpu", non_blocking=False)
+            y = self.fmt.expert_forward(self.host.blob((layer_id, e)), host_in, self.layout)
+            return y.to(device=xs.device, dtype=xs.dtype)
+        self.cache.wait(slot)
+        return self.fmt.expert_forward(self.cache.slot_view(slot), xs, self.layout).to(xs.dtype)
+
+    def _bulk(self, layer_id, x, ids, weights, rows, counts) -> torch.Tensor:
+        """Prefill: every expert this layer needs crosses once, streamed in ascending id with a few copies in
+        flight ahead of compute; routing counts seed the cache afterwards."""
+        used = sorted({e for row in rows for e in row})
+        for row in rows:
+            for e in row:
+                self.prefill_counts[(layer_id, e)] = self.prefill_counts.get((layer_id, e), 0) + 1
+        per_expert = {e: 0 for e in used}
+        for row in rows:
+            for e in set(row):
+                per_expert[e] += 1
+        cache = self.cache
+        place: dict[int, int | None] = {}
+
+        def ensure(i: int) -> None:
+            e = used[i]
+            if e in place:
+                return
+            cache.pinned.add((layer_id, e))
+            place[e] = self._place(layer_id, e, per_expert[e], counts)
+
+        def compute(e, xs):
+            i = used.index(e)
+            for j in range(i, min(i + 1 + BULK_WINDOW, len(used))):
+                ensure(j)                              # keep copies in flight ahead of compute
+            y = self._compute(place[e], layer_id, e, xs)
+            if place[e] is not None:
+                cache.release([place[e]])
+            cache.pinned.discard((layer_id, e))
+            return y
+
+        out = combine_experts(compute, x, ids, weights)
+        cache.collect_copy_time()
+        return out
+
+    # --- warm start -----------------------------------------------------------------------------
+    def end_prefill(self) -> None:
+        """Seed the policy from the prompt's routing counts and fill free slots with its most used experts."""
+        counts, self.prefill_counts = self.prefill_counts, {}
+        if not counts:
+            return
+        cache = self.cache
+        cache.policy.seed({k: float(v) for k, v in counts.items()}, cache.now)
+        free = cache.n_slots - len(cache.slot_of)
+        for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:max(free, 0)]:
+            if cache.lookup(key) is None:
+                cache.load(key, "seed")
+        cache.pinned = set()
+
+    # --- telemetry ------------------------------------------------------------------------------
+    def _count(self, counts: Counters, field: str) -> None:
+        setattr(counts, field, getattr(counts, field) + 1)
+        setattr(self.cache.stats, field, getattr(self.cache.stats, field) + 1)
+
+    def _score_predictions(self, layer_id: int, actual: set[int]) -> None:
+        for distance, predicted in self.pending.pop(layer_id, []):
+            row = self.cache.stats.predictor.setdefault(distance, [0, 0, 0])
+            row[0] += len(predicted & actual)
+            row[1] += len(predicted)
+            row[2] += len(actual)
+
+    def reset_stats(self) -> None:
+        self.cache.drain()
+        self.cache.stats = Counters()
+        self.per_layer = {}
+        self.pending = {}
+        self._t_start = time.perf_counter()
+
+    def stats(self) -> dict:
+        self.cache.collect_copy_time()
+        s = self.cache.stats
+        tp = sum(r[0] for r in s.predictor.values())
+        pred = sum(r[1] for r in s.predictor.values())
+        act = sum(r[2] for r in s.predictor.values())
+        return {
+            "hits": s.hits, "prefetch_hits": s.prefetch_hits, "demand_misses": s.demand_misses,
+            "hit_rate": (s.hits + s.prefetch_hits) / s.uses if s.uses else 0.0,
+            "h2d_bytes": s.h2d_bytes, "h2d_gb_s": s.h2d_bytes / s.copy_s / 1e9 if s.copy_s > 0 else 0.0,
+            "stall_ms": s.stall_s * 1e3, "cpu_experts": s.cpu_experts,
+            "predictor_precision": tp / pred if pred else 0.0, "predictor_recall": tp / act if act else 0.0,
+            "predictor_by_distance": {d: {"precision": r[0] / r[1] if r[1] else 0.0,
+                                          "recall": r[0] / r[2] if r[2] else 0.0}
+                                      for d, r in sorted(s.predictor.items())},
+            "prefetches": s.prefetches, "prefetches_wasted": s.prefetches_wasted, "evictions": s.evictions,
+            "slots": self.cache.n_slots, "resident_experts": len(self.cache.slot_of),
+            "host_tier": self.host.mode, "miss_policy": self.miss_policy,
+            "per_layer": {l: {"hits": c.hits, "prefetch_hits": c.prefetch_hits, "demand_misses": c.demand_misses,
+                              "hit_rate": (c.hits + c.prefetch_hits) / c.uses if c.uses else 0.0}
+                          for l, c in sorted(self.per_layer.items())},
+        }
