@@ -1,0 +1,132 @@
+"""MTP speculative decoding: the draft head against transformers, greedy equality, rollback, exact sampling."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv3lite
+from dsv3lite.speculative import accept_drafts
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    from dsv3lite.testing import add_mtp_weights, write_checkpoint
+
+    path = tmp_path_factory.mktemp("ckpt-mtp")
+    write_checkpoint(path, "v3")
+    return add_mtp_weights(path)
+
+
+def load(path, **kw):
+    llm = dsv3lite.load(path, device="cpu", ctx_size=160, progress=False, log=lambda m: None, **kw)
+    llm.stop_ids = set()
+    return llm
+
+
+def test_draft_logits_match_transformers_mtp_layer(mtp_dir):
+    from transformers import AutoModelForCausalLM
+
+    from dsv3lite.loader import load_model
+    from dsv3lite.testing import hf_mtp_logits
+
+    hf = AutoModelForCausalLM.from_pretrained(mtp_dir, dtype=torch.float32, experts_implementation="eager").eval()
+    x = torch.randint(0, 400, (2, 24), generator=torch.Generator().manual_seed(0))
+    expected = hf_mtp_logits(hf, mtp_dir, x)
+    model = load_model(mtp_dir, torch.device("cpu"), torch.float32, progress=False, log=lambda m: None)
+    with torch.no_grad():
+        got = model.head(model.mtp_hidden(model.hidden(x)[:, :-1], x[:, 1:]))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_with_mtp_equals_greedy_without(mtp_dir, k):
+    plain = load(mtp_dir, mtp=False)
+    spec = load(mtp_dir, mtp=True, num_draft_tokens=k, mtp_adaptive=False)
+    for prompt in ("hello world", "The quick brown fox jumps"):
+        expected = [c.token_id for c in plain.generate(prompt, max_tokens=40)]
+        got = [c.token_id for c in spec.generate(prompt, max_tokens=40)]
+        assert got == expected
+    s = spec.stats()["mtp"]
+    assert s["enabled"] and 0.0 <= s["acceptance_rate"] <= 1.0 and s["tokens_per_forward"] >= 1.0
+
+
+def test_caches_after_rollback_match_a_run_that_never_drafted(mtp_dir):
+    spec = load(mtp_dir, mtp=True, num_draft_tokens=2, mtp_adaptive=False)
+    list(spec.generate("hello world", max_tokens=30, temperature=1.0, seed=5))   # accepts and rejects
+    tokens = list(spec.cached_tokens)
+    never = load(mtp_dir, mtp=True, mtp_adaptive=False)
+    never.mtp_active = lambda: False          # MTP cache kept up to date, no drafting
+    list(never.generate(tokens, max_tokens=1))
+    n = len(tokens)
+    main = spec.args.num_hidden_layers
+    torch.testing.assert_close(spec.cache[:main, :, :n], never.cache[:main, :, :n], atol=1e-5, rtol=1e-5)
+    valid = min(spec.mtp_valid, never.mtp_valid) - 1            # the last pair depends on the next token
+    assert valid > 10
+    torch.testing.assert_close(spec.cache[main, :, :valid], never.cache[main, :, :valid], atol=1e-5, rtol=1e-5)
+
+
+def test_checkpoint_without_mtp_weights_runs_with_mtp_off_and_says_why(v3_dir):
+    notes = []
+    llm = dsv3lite.load(v3_dir, device="cpu", progress=False, log=notes.append)
+    assert any("MTP" in n for n in notes)
+    list(llm.generate("hi", max_tokens=3))
+    s = llm.stats()["mtp"]
+    assert s["enabled"] is False and "no MTP weights" in s["reason"]
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_rejection_sampling_keeps_the_target_distribution(k):
+    gen = torch.Generator().manual_seed(0)
+    vocab = 6
+    target = [torch.softmax(torch.randn(vocab, generator=gen) * 1.5, 0) for _ in range(k + 1)]
+    draft = [torch.softmax(torch.randn(vocab, generator=gen) * 1.5, 0) for _ in range(k)]
+    n = 6000
+    counts = torch.zeros(vocab)
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q, 1, generator=gen)) for q in draft]
+        a, nxt = accept_drafts(target, drafts, draft, gen)
+        first = drafts[0] if a > 0 else nxt
+        counts[first] += 1
+    # chi-square, 5 degrees of freedom: 99.9th percentile is 20.5
+    assert _chi_square(counts, target[0]) < 20.5
+
+
+def test_greedy_verification_is_argmax_agreement():
+    p = [torch.tensor([0.1, 0.7, 0.2]), torch.tensor([0.5, 0.2, 0.3]), torch.tensor([0.2, 0.2, 0.6])]
+    onehot = lambda i: torch.nn.functional.one_hot(torch.tensor(i), 3).float()
+    greedy_p = [onehot(int(x.argmax())) for x in p]
+    assert accept_drafts(greedy_p, [1, 0], [onehot(1), onehot(0)], None) == (2, 2)
+    assert accept_drafts(greedy_p, [1, 2], [onehot(1), onehot(2)], None) == (1, 0)
+    assert accept_drafts(greedy_p, [0, 0], [onehot(0), onehot(0)], None) == (0, 1)
+
+
+def test_engine_speculative_step_samples_the_target_distribution(mtp_dir):
+    """At a fixed context, the first token of a speculative step (accepted draft or correction) follows the
+    main model's top-k distribution."""
+    from dsv3lite.generate import RunStats, SamplingParams
+
+    spec = load(mtp_dir, mtp=True, mtp_adaptive=False)
+    prompt = spec.tokenizer.encode("hello world", add_bos=True)
+    first = int(spec.forward([prompt])[0, -1].argmax())
+    probs = torch.softmax(spec.forward([prompt + [first]])[0, -1], 0)
+    top = probs.topk(4)
+    target = torch.zeros_like(probs).scatter_(0, top.indices, top.values / top.values.sum())
+    counts = torch.zeros_like(probs)
+    stats = RunStats()
+    for seed in range(400):
+        spec.reset()
+        list(spec.generate(prompt, max_tokens=1))          # prefill; the greedy first token is `first`
+        assert spec.cached_tokens == prompt
+        params = SamplingParams(max_tokens=2, temperature=1.0, top_k=4, seed=seed)
+        with torch.inference_mode():
+            new = spec._step(first, params, torch.Generator().manual_seed(seed), stats)
+        counts[new[0]] += 1
+    assert stats.drafted == 400                            # every step speculated
+    # 3 degrees of freedom: the 99.9th percentile is 16.3
+    assert _chi_square(counts, target) < 16.3
