@@ -64,6 +64,15 @@ def engine_options(fn):
         click.option("--dtype", default=None, help="bfloat16 (CUDA default) | float32 (CPU default) | float16"),
         click.option("--experts", type=click.Choice(["int4", "fp8", "nf4", "bf16"]), default=None,
                      help="Quantize an HF checkpoint's routed experts to this format at load."),
+        click.option("--num-draft-tokens", type=click.IntRange(1, 3), default=1, show_default=True,
+                     help="MTP draft tokens per step."),
+        click.option("--lookahead", type=click.IntRange(0, 8), default=2, show_default=True,
+                     help="Offloading: MoE layers ahead whose experts are predicted and prefetched."),
+        click.option("--miss-policy", type=click.Choice(["auto", "fetch", "cpu"]), default="auto", show_default=True,
+                     help="Offloading: a missed expert is fetched to the device or computed on the CPU "
+                          "(auto: whichever the start-up cost model says is faster)."),
+        click.option("--cache-policy", type=click.Choice(["decayed-lfu", "lru", "lfu"]), default="decayed-lfu",
+                     show_default=True, help="Offloading: expert-slot eviction policy."),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -75,7 +84,8 @@ def _engine(o: dict):
 
     return dsv3lite.load(weights=o["weights"], device=o["device"], gpu_mem=o["gpu_mem"], dtype=o["dtype"],
                          ctx_size=o["ctx_size"], mtp=o["mtp"], experts=o["experts"], cpu_mem=o["cpu_mem"],
-                         log=log)
+                         log=log, num_draft_tokens=o["num_draft_tokens"], lookahead=o["lookahead"],
+                         miss_policy=o["miss_policy"], cache_policy=o["cache_policy"])
 
 
 def _sampling(o: dict) -> dict:
@@ -284,6 +294,57 @@ def quantize(src, dst, experts, group_size, dense, force, resume):
 
     quantize_checkpoint(src, dst, experts=experts, group_size=int(group_size), dense=dense, force=force,
                         resume=resume, progress=True, log=log)
+
+
+@cli.command()
+@click.option("--weights", "-w", type=click.Path(), default=None, help="Checkpoint directory (default: demo model).")
+@click.option("--gpu-mem", type=SIZE, required=True, help="Device budget to plan for (80G = 80 GiB).")
+@click.option("--ctx-size", "-c", type=click.IntRange(min=2), default=4096, show_default=True)
+@click.option("--experts", type=click.Choice(["int4", "fp8", "nf4", "bf16"]), default=None,
+              help="Expert format (default: the checkpoint's own).")
+@click.option("--dtype", default="bfloat16", show_default=True, help="Compute dtype of the resident weights.")
+@click.option("--mtp/--no-mtp", default=True, show_default=True)
+def plan(weights, gpu_mem, ctx_size, experts, dtype, mtp):
+    """Print what --gpu-mem buys (resident components, expert slots) from shapes alone, reading no weights."""
+    import torch
+
+    from .config import ModelArgs
+    from .offload.setup import plan_for
+    from .runtime import resolve_weights
+    from .utils import resolve_dtype
+
+    root = resolve_weights(weights)
+    args = ModelArgs.from_dir(root)
+    if gpu_mem == "auto":
+        raise UserError("plan needs an explicit --gpu-mem size")
+    p, *_ = plan_for(root, args, gpu_mem, ctx_size, experts, mtp, resolve_dtype(dtype, torch.device("cuda")))
+    click.echo(f"plan for {root} with --gpu-mem {format_bytes(gpu_mem)}, --ctx-size {ctx_size}:")
+    click.echo(p.table())
+
+
+@cli.command()
+@click.option("--prompt", "-p", required=True, help="Prompt text.")
+@click.option("--out", "-o", type=click.Path(), required=True, help="Trace file to write (JSON lines).")
+@click.option("--trace-lookahead", type=click.IntRange(1, 8), default=3, show_default=True,
+              help="Record predictions made this many layers ahead.")
+@engine_options
+def trace(prompt, out, trace_lookahead, **o):
+    """Generate, recording per-token, per-layer expert ids and router predictions (for benchmarks/cache_sim.py)."""
+    from .offload.trace import TraceRecorder
+
+    llm = _engine(o)
+    rec = TraceRecorder(llm.model, trace_lookahead)
+    stream = llm.generate(prompt, **_sampling(o))
+    text = []
+    for i, chunk in enumerate(stream):
+        if i == 0:
+            rec.phase = "decode"                  # events after the first token belong to decode steps
+        text.append(chunk.text)
+    a = llm.args
+    rec.write(out, {"weights": llm.weights, "n_experts": a.n_routed_experts, "top_k": a.num_experts_per_tok,
+                    "moe_layers": [m.layer_id for m in llm.model.moe_modules()], "lookahead": trace_lookahead,
+                    "prompt_tokens": llm.stats()["prompt_tokens"], "generated": llm.stats()["generated_tokens"]})
+    log(f"wrote {len(rec.events)} routing events to {out}")
 
 
 def main(argv=None) -> int:

