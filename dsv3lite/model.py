@@ -256,17 +256,28 @@ class RoutedExperts(nn.Module):
         return combine_experts(self.expert, x, ids, weights)
 
 
-def combine_experts(expert_fn, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine_experts(expert_fn, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    host_ids: list[list[int]] | None = None) -> torch.Tensor:
     """sum_k weights[n, k] * expert_{ids[n, k]}(x[n]), accumulated in ascending expert id.
 
     Each expert's weighted output is rounded to x.dtype before it is added (as transformers does), so every
-    provider that goes through here gives the same bits for the same expert outputs.
+    provider that goes through here gives the same bits for the same expert outputs. `host_ids` (the same ids
+    already on the host) saves the device->host read of the routing.
     """
     out = torch.zeros_like(x)
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)                  # (token, slot) pairs grouped by expert, ascending
-    counts = torch.bincount(flat, minlength=1).tolist()
-    token = order // ids.shape[1]
+    k = ids.shape[1]
+    if host_ids is None:
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)              # (token, slot) pairs grouped by expert, ascending
+        counts = torch.bincount(flat, minlength=1).tolist()
+    else:
+        pairs = sorted(range(len(host_ids) * k), key=lambda i: (host_ids[i // k][i % k], i))
+        order = torch.tensor(pairs, dtype=torch.long).to(x.device, non_blocking=True)
+        counts = [0] * (max(e for row in host_ids for e in row) + 1)
+        for row in host_ids:
+            for e in row:
+                counts[e] += 1
+    token = order // k
     w = weights.flatten()[order]
     start = 0
     for e, n in enumerate(counts):

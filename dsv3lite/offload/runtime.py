@@ -154,7 +154,8 @@ class OffloadRuntime:
         self._score_predictions(layer_id, set(used))
         self.cache.pinned |= {(layer_id, e) for e in used}
         place = {e: self._place(layer_id, e, n, counts) for e in used}
-        out = combine_experts(lambda e, xs: self._compute(place[e], layer_id, e, xs), x, ids, weights)
+        out = combine_experts(lambda e, xs: self._compute(place[e], layer_id, e, xs), x, ids, weights,
+                              host_ids=rows)
         self.cache.release([s for s in place.values() if s is not None])
         self.cache.collect_copy_time()
         return out
@@ -223,7 +224,7 @@ class OffloadRuntime:
             cache.pinned.discard((layer_id, e))
             return y
 
-        out = combine_experts(compute, x, ids, weights)
+        out = combine_experts(compute, x, ids, weights, host_ids=rows)
         cache.collect_copy_time()
         return out
 
