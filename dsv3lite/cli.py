@@ -347,6 +347,35 @@ def trace(prompt, out, trace_lookahead, **o):
     log(f"wrote {len(rec.events)} routing events to {out}")
 
 
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (anything but loopback is reachable from other machines).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 (and KEY to open the UI).")
+@click.option("--ui/--no-ui", "with_ui", default=True, show_default=True, help="Serve the web UI at / (needs gradio).")
+@engine_options
+def serve(host, port, api_key, with_ui, **o):
+    """OpenAI-compatible API at /v1 and the web UI at /, over one engine."""
+    from .app.server import serve as run_server
+
+    run_server(lambda: _engine(o), host=host, port=port, api_key=api_key, ui=with_ui, sampling=_sampling(o),
+               system_prompt=o["system_prompt"], log=log)
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (anything but loopback is reachable from other machines).")
+@click.option("--port", type=click.IntRange(0, 65535), default=7860, show_default=True)
+@click.option("--api-key", default=None, help="Require KEY to open the UI and on /v1.")
+@engine_options
+def ui(host, port, api_key, **o):
+    """The web UI in your browser (open the printed URL); the OpenAI API is served alongside at /v1."""
+    from .app.server import serve as run_server
+
+    run_server(lambda: _engine(o), host=host, port=port, api_key=api_key, ui=True, sampling=_sampling(o),
+               system_prompt=o["system_prompt"], log=log)
+
 def main(argv=None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:

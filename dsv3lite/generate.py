@@ -79,6 +79,8 @@ def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from `probs` (any device); draws use the CPU generator so a seed gives the same text anywhere."""
+    probs = probs.float().cpu()
     if probs.max() == 1.0:
         return int(probs.argmax())
     return int(torch.multinomial(probs, 1, generator=generator))
