@@ -325,7 +325,7 @@ class Engine:
         if self.mtp_enabled:
             # MTP pair i is (h_i, t_{i+1}): recompute from the first pair that is stale, for its hidden
             common = max(min(common, self.mtp_valid, len(ids) - 1), 0)
-            self.mtp_valid = min(self.mtp_valid, common)
+        self.mtp_valid = min(self.mtp_valid, common)
         self.cached_tokens = self.cached_tokens[:common]
         self.last.cached_prompt_tokens = common
         hiddens, logits = [], None
