@@ -1,0 +1,504 @@
+"""Triton kernels on one GPU against their PyTorch twins and the machine's own peaks, with DeepSeek-V3 shapes.
+
+  peaks  device-to-device copy GB/s and bf16 matmul TFLOP/s, measured here: the roofline for the rest
+  moe    fused_moe per MoE layer (8 of 256 experts, D=7168 I=2048; M = 1 and 2 tokens; int4 / fp8 / bf16 blobs
+         in a 64-slot pool, so consecutive calls read different slots and L2 cannot hold them) vs reading its
+         weight bytes at copy bandwidth, and vs the twin (dequantize + matmul)
+  mla    mla_decode at 4K/32K/128K context, batch 1/8/32 (128 heads, 512 + 64) vs its twin, and vs
+         scaled_dot_product_attention over the latent expanded per head (only to 8K context and batch 8)
+  gemv   w4a16 / w8a16 on 7168x2048 and 2048x7168 (M = 1 and 16), weights rotated through 64 copies (> L2),
+         vs cuBLAS bf16 on the same shapes and vs the twins
+  sweep  a few tile configurations of fused_moe and w4a16 (M = 1), while the time budget lasts
+
+Every kernel is checked against its twin once before it is timed (max error in the tables; a failed check
+makes the exit status 1). Timing: CUDA events, warmup, median of several repetitions; "GPU" times replay
+the calls from a CUDA graph (no launch overhead), "eager" times include Python launch cost.
+
+    python benchmarks/gpu_kernels.py RESULTS_DIR [--budget-s 90] [--sections peaks,moe,mla,gemv,sweep]
+    python benchmarks/gpu_kernels.py RESULTS_DIR --tiny     # logic check on CPU in Triton's interpreter
+Each section writes RESULTS_DIR/kernels_<section>.md (and kernels.json) as soon as it is measured.
+"""
+from __future__ import annotations
+
+import sys
+
+if "--tiny" in sys.argv:   # must precede the first import of triton
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+V3 = dict(hidden=7168, inter=2048, experts=256, top_k=8, slots=64, heads=128, kv_lora_rank=512, rope_dim=64,
+          contexts=(4096, 32768, 131072), batches=(1, 8, 32), gemv=((7168, 2048), (2048, 7168)), gemv_rows=(1, 16),
+          copies=64, sdpa_max_context=8192, sdpa_max_batch=8, copy_bytes=2 << 30, matmul=8192,
+          reps=5, max_calls=16)
+TINY = dict(hidden=72, inter=40, experts=16, top_k=4, slots=8, heads=4, kv_lora_rank=32, rope_dim=8,
+            contexts=(40, 130), batches=(1, 3), gemv=((40, 72), (72, 40)), gemv_rows=(1, 5),
+            copies=2, sdpa_max_context=64, sdpa_max_batch=2, copy_bytes=1 << 20, matmul=128,
+            reps=1, max_calls=2)
+# V3's softmax scale: 192^-0.5 * mscale^2, mscale = 0.1 * ln(40) + 1 (YaRN factor 40, mscale_all_dim 1)
+MLA_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2
+L2_DEFEAT_BYTES = 256 << 20   # rotate through copies until this many bytes separate two reads of one copy
+
+
+class Bench:
+    """Timing, checks and result files for one run."""
+
+    def __init__(self, out: Path, device: torch.device, budget_s: float, reps: int):
+        self.out, self.device, self.cuda, self.reps = out, device, device.type == "cuda", reps
+        self.start, self.budget_s = time.time(), budget_s
+        self.failures: list[str] = []
+        self.results: dict[str, list[dict]] = {}
+        self.copy_gbs: float | None = None
+        self.matmul_tflops: float | None = None
+        out.mkdir(parents=True, exist_ok=True)
+
+    def left_s(self) -> float:
+        return self.budget_s - (time.time() - self.start)
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    # --- timing ---------------------------------------------------------------------------------
+
+    def eager_ms(self, calls, reps=None, warmup=2) -> float:
+        """Median over reps of (time of all calls) / len(calls), launch overhead included."""
+        reps = (reps or self.reps) if self.cuda else 1
+        for call in calls[:warmup if self.cuda else 1]:
+            call()
+        self.sync()
+        times = []
+        for _ in range(reps):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for call in calls:
+                    call()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / len(calls))
+            else:
+                t0 = time.perf_counter()
+                for call in calls:
+                    call()
+                times.append((time.perf_counter() - t0) * 1e3 / len(calls))
+        return statistics.median(times)
+
+    def gpu_ms(self, calls, reps=None) -> float | None:
+        """Median per-call time of the calls replayed from one CUDA graph (no launch overhead); None off CUDA."""
+        if not self.cuda:
+            return None
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for call in calls[:2]:
+                    call()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for call in calls:
+                    call()
+            graph.replay()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(reps or self.reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / len(calls))
+            del graph
+            return statistics.median(times)
+        except Exception as e:   # capture can fail for reasons unrelated to the kernel: report, keep going
+            print(f"  (CUDA graph capture failed: {type(e).__name__}: {e}; eager times only)", file=sys.stderr)
+            torch.cuda.synchronize()
+            return None
+
+    # --- checks and output ----------------------------------------------------------------------
+
+    def check(self, what: str, got: torch.Tensor, want: torch.Tensor, rel_tol: float,
+              record: bool = True) -> tuple[str, bool]:
+        """'max abs err (relative to max |want|)' and whether it is within rel_tol; records failures."""
+        got, want = got.float(), want.float()
+        scale = max(want.abs().max().item(), 1e-30)
+        err = (got - want).abs().max().item()
+        ok = math.isfinite(err) and err <= rel_tol * scale
+        if not ok and record:
+            self.failures.append(f"{what}: max abs err {err:.3g} > {rel_tol} x {scale:.3g}")
+        return f"{err:.2e} ({err / scale:.1e})", ok
+
+    def table(self, section: str, title: str, header: list[str], rows: list[list], notes=()):
+        lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+        lines += [""] + [f"- {n}" for n in notes] + [""]
+        text = "\n".join(lines)
+        path = self.out / f"kernels_{section}.md"
+        with path.open("a") as f:
+            f.write(text + "\n")
+        print(text, flush=True)
+        self.results.setdefault(section, []).append({"title": title, "header": header, "rows": rows})
+        (self.out / "kernels.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "ok" if v else "**FAIL**"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def ms_us(ms):
+    return None if ms is None else ms * 1e3
+
+
+def rotated(make, bytes_each: int, max_copies: int) -> list:
+    """Copies of a buffer, enough that cycling through them defeats L2 (at least one, at most max_copies)."""
+    n = max(1, min(max_copies, -(-L2_DEFEAT_BYTES // max(bytes_each, 1))))
+    return [make(i) for i in range(n)]
+
+
+def free():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------
+# sections
+# ------------------------------------------------------------------------------------------------
+
+def section_peaks(b: Bench, S: dict):
+    n = S["copy_bytes"]
+    src = torch.empty(n, dtype=torch.uint8, device=b.device).fill_(1)
+    dst = torch.empty_like(src)
+    copy_ms = b.eager_ms([lambda: dst.copy_(src)] * 4, reps=7)
+    b.copy_gbs = 2 * n / copy_ms / 1e6   # read + write
+    del src, dst
+    d = S["matmul"]
+    dtype = torch.bfloat16 if b.cuda else torch.float32
+    a = torch.randn(d, d, device=b.device, dtype=dtype)
+    w = torch.randn(d, d, device=b.device, dtype=dtype)
+    mm_ms = b.eager_ms([lambda: a @ w] * 4, reps=7)
+    b.matmul_tflops = 2 * d ** 3 / mm_ms / 1e9
+    del a, w
+    free()
+    b.table("peaks", "Measured peaks (the roofline below)", ["what", "size", "time (ms)", "rate"], [
+        ["device copy (read + write)", f"{n >> 20} MiB", copy_ms, f"{b.copy_gbs:.0f} GB/s"],
+        [f"{dtype} matmul", f"{d}^3", mm_ms, f"{b.matmul_tflops:.1f} TFLOP/s"],
+    ], [f"GPU: {_device_name(b)}"])
+
+
+def _expert_blobs(fmt, inter, hidden, n_real, device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    blobs = []
+    for _ in range(n_real):
+        mats = [(torch.randn(shape, generator=gen) * 0.02).to(device)
+                for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
+        blobs.append(fmt.pack(*mats))
+    return blobs
+
+
+def _moe_routing(m: int, call: int, S: dict, device):
+    """ids [M, 8] of resident experts: a different window of the pool per call; token 1 shares 4 with token 0."""
+    k, slots = S["top_k"], S["slots"]
+    base = call * k * m
+    rows = [[(base + j) % slots for j in range(k)]]
+    if m > 1:
+        rows += [[(base + j) % slots for j in range(k // 2)] + [(base + k + j) % slots for j in range(k - k // 2)]
+                 for _ in range(m - 1)]
+    gen = torch.Generator(device="cpu").manual_seed(call)
+    ids = torch.tensor(rows, dtype=torch.int64)
+    weights = torch.rand(m, k, generator=gen) + 0.1
+    return ids.to(device), weights.to(device)
+
+
+def section_moe(b: Bench, S: dict):
+    from dsv3lite.kernels.fused_moe import fused_moe, fused_moe_ref
+    from dsv3lite.quant.formats import get_format
+
+    hidden, inter, slots = S["hidden"], S["inter"], S["slots"]
+    dtype = torch.bfloat16
+    rows = []
+    for name in ("int4", "fp8", "bf16"):
+        if b.left_s() < 15:
+            print(f"  moe: budget spent, skipping {name}", file=sys.stderr)
+            break
+        fmt = get_format(name, 128)
+        layout = fmt.layout(inter, hidden)
+        real = _expert_blobs(fmt, inter, hidden, 2, b.device)
+        pool = torch.empty(slots, layout.blob_bytes, dtype=torch.uint8, device=b.device)
+        for s in range(slots):
+            pool[s].copy_(real[s % len(real)])
+        del real
+        # experts 0..slots-1 resident, scattered over the pool; the rest of the layer's experts are not
+        slot_of_expert = torch.full((S["experts"],), -1, dtype=torch.int32)
+        slot_of_expert[:slots] = torch.randperm(slots, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+        slot_of_expert = slot_of_expert.to(b.device)
+        for m in ((1, 2) if name != "bf16" else (1,)):
+            x = torch.randn(m, hidden, device=b.device, dtype=dtype)
+            n_calls = max(1, min(S["max_calls"], slots // (S["top_k"] * m)))
+            routes = [_moe_routing(m, i, S, b.device) for i in range(n_calls)]
+            args = lambda r: (x, r[0], r[1], slot_of_expert, pool, layout)   # noqa: E731
+            # the twin rounds each expert's weighted output to bf16 and adds in bf16; the kernel adds in fp32
+            err, ok = b.check(f"fused_moe {name} M={m}", fused_moe(*args(routes[0])), fused_moe_ref(*args(routes[0])),
+                              5e-2)
+            calls = [partial(fused_moe, *args(r)) for r in routes]
+            gpu, eager = b.gpu_ms(calls), b.eager_ms(calls)
+            twin = b.eager_ms([partial(fused_moe_ref, *args(r)) for r in routes[:2]], reps=2, warmup=1)
+            distinct = len(set(routes[0][0].flatten().tolist()))
+            nbytes = distinct * layout.blob_bytes
+            t = gpu if gpu is not None else eager
+            roof_ms = nbytes / (b.copy_gbs * 1e6) if b.copy_gbs else None
+            rows.append([name, m, distinct, nbytes / 1e6, ms_us(gpu), ms_us(eager), nbytes / t / 1e6,
+                         None if roof_ms is None else 100 * roof_ms / t, ms_us(twin), twin / t, err, ok])
+        del pool
+        free()
+    b.table("moe", f"fused_moe: one MoE layer ({S['top_k']} experts per token, D={hidden}, I={inter}, bf16)",
+            ["format", "M", "experts read", "MB read", "GPU us", "eager us", "GB/s", "% of copy peak",
+             "twin us", "twin / kernel", "max err (rel)", "check"], rows,
+            ["GPU us: calls replayed from a CUDA graph; eager us: Python launches included (2 kernels per call)",
+             f"% of copy peak: time to read the experts' blobs at the measured copy bandwidth "
+             f"({b.copy_gbs or 0:.0f} GB/s) over the kernel's time",
+             "twin: fused_moe_ref (dequantize each expert to bf16, then matmuls, combine in bf16)"])
+
+
+def section_mla(b: Bench, S: dict):
+    from dsv3lite.kernels.mla_decode import mla_decode, mla_decode_ref
+
+    heads, rank, rope = S["heads"], S["kv_lora_rank"], S["rope_dim"]
+    dk = rank + rope
+    dtype = torch.bfloat16 if b.cuda else torch.float32
+    rows = []
+    for ctx in S["contexts"]:
+        for batch in S["batches"]:
+            if b.left_s() < 10:
+                print(f"  mla: budget spent, skipping ctx={ctx} batch={batch}", file=sys.stderr)
+                continue
+            cache_bytes = batch * ctx * dk * dtype.itemsize
+            q = torch.randn(batch, 1, heads, dk, device=b.device, dtype=dtype)
+            caches = rotated(lambda i: torch.randn(batch, ctx, dk, device=b.device, dtype=dtype), cache_bytes, 32)
+            seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=b.device)
+            out, lse = mla_decode(q, caches[0], seqlens, MLA_SCALE, rank)
+            ref_out, ref_lse = mla_decode_ref(q, caches[0], seqlens, MLA_SCALE, rank)
+            err, ok = b.check(f"mla ctx={ctx} batch={batch}", out, ref_out, 2e-2)
+            _, ok_lse = b.check(f"mla lse ctx={ctx} batch={batch}", lse, ref_lse, 1e-3)
+            del ref_out, ref_lse
+            calls = [partial(mla_decode, q, c, seqlens, MLA_SCALE, rank) for c in caches]
+            gpu, eager = b.gpu_ms(calls), b.eager_ms(calls)
+            twin = b.eager_ms([partial(mla_decode_ref, q, caches[0], seqlens, MLA_SCALE, rank)], reps=2, warmup=1)
+            sdpa = sdpa_err = None
+            if ctx <= S["sdpa_max_context"] and batch <= S["sdpa_max_batch"]:
+                keys = caches[0][:, None].expand(batch, heads, ctx, dk).contiguous()   # [B, H, T, Dk]
+                qh = q.transpose(1, 2)                                                   # [B, H, 1, Dk]
+                run = partial(F.scaled_dot_product_attention, qh, keys, keys[..., :rank], scale=MLA_SCALE)
+                # a baseline's accuracy: reported, not a failure of ours
+                sdpa_err, _ = b.check(f"sdpa ctx={ctx} batch={batch}", run().transpose(1, 2), out, 3e-2, record=False)
+                sdpa = b.gpu_ms([run]) or b.eager_ms([run])
+                del keys
+            t = gpu if gpu is not None else eager
+            flops = 2 * batch * heads * ctx * (dk + rank)
+            rows.append([ctx, batch, cache_bytes / 1e6, ms_us(gpu), ms_us(eager), cache_bytes / t / 1e6,
+                         None if not b.copy_gbs else 100 * cache_bytes / t / 1e6 / b.copy_gbs,
+                         flops / t / 1e9, ms_us(twin), twin / t, ms_us(sdpa), None if sdpa is None else sdpa / t,
+                         sdpa_err, err, ok and ok_lse])
+            del caches, q, out, lse
+            free()
+    b.table("mla", f"mla_decode: absorbed MLA decode, {heads} heads x ({rank} + {rope}), Sq = 1, {dtype}",
+            ["context", "batch", "cache MB", "GPU us", "eager us", "GB/s", "% of copy peak", "TFLOP/s",
+             "twin us", "twin / kernel", "SDPA us", "SDPA / kernel", "SDPA err", "max err (rel)", "check"], rows,
+            [f"bytes: the latent cache read once; FLOPs: 2 x B x H x T x ({dk} + {rank})",
+             "SDPA: F.scaled_dot_product_attention over the latent expanded to every head (materialized "
+             "beforehand, not timed), only up to 8K context and batch 8",
+             f"bf16 matmul peak measured: {b.matmul_tflops or 0:.0f} TFLOP/s"])
+
+
+def _gemv_weights(fmt: str, n: int, k: int, S: dict, device):
+    """(copies of the packed weight as argument tuples, bytes of one copy, the float weight)."""
+    from dsv3lite.quant.fp8 import fp8_block_quantize
+    from dsv3lite.quant.int4 import int4_quantize
+
+    w = torch.randn(n, k, device=device) * 0.02
+    if fmt == "int4":
+        packed = int4_quantize(w, 128)
+    elif fmt == "fp8":
+        packed = fp8_block_quantize(w)
+    else:
+        packed = (w.to(torch.bfloat16),)
+    nbytes = sum(t.numel() * t.element_size() for t in packed)
+    copies = rotated(lambda i: tuple(t.clone() for t in packed), nbytes, S["copies"])[:S["copies"]]
+    return copies, nbytes, w
+
+
+def section_gemv(b: Bench, S: dict):
+    from dsv3lite.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref, w8a16_matmul, w8a16_matmul_ref
+
+    dtype = torch.bfloat16
+    rows = []
+    for n, k in S["gemv"]:
+        bf16_copies, bf16_bytes, _ = _gemv_weights("bf16", n, k, S, b.device)
+        for fmt in ("int4", "fp8"):
+            if b.left_s() < 8:
+                print(f"  gemv: budget spent, skipping {fmt} {n}x{k}", file=sys.stderr)
+                continue
+            copies, nbytes, _ = _gemv_weights(fmt, n, k, S, b.device)
+            if fmt == "int4":
+                kernel = partial(w4a16_matmul, k=k, group_size=128)
+                twin = partial(w4a16_matmul_ref, k=k, group_size=128)
+            else:
+                kernel, twin = w8a16_matmul, w8a16_matmul_ref
+            for m in S["gemv_rows"]:
+                x = torch.randn(m, k, device=b.device, dtype=dtype)
+                err, ok = b.check(f"{fmt} {n}x{k} M={m}", kernel(x, *copies[0]), twin(x, *copies[0]), 2e-2)
+                calls = [partial(kernel, x, *c) for c in copies]
+                gpu, eager = b.gpu_ms(calls), b.eager_ms(calls)
+                t = gpu if gpu is not None else eager
+                twin_ms = b.eager_ms([partial(twin, x, *copies[0])], reps=3)
+                dense = [partial(F.linear, x, c[0]) for c in bf16_copies]
+                dense_ms = b.gpu_ms(dense) or b.eager_ms(dense)
+                rows.append([fmt, f"{n}x{k}", m, nbytes / 1e6, ms_us(gpu), ms_us(eager), nbytes / t / 1e6,
+                             None if not b.copy_gbs else 100 * nbytes / t / 1e6 / b.copy_gbs,
+                             2 * m * n * k / t / 1e9, ms_us(dense_ms), dense_ms / t, ms_us(twin_ms), err, ok])
+            del copies
+            free()
+        del bf16_copies
+        free()
+    b.table("gemv", "w4a16 / w8a16 (x [M, K] bf16, weight [N, K]; rotated through copies > L2)",
+            ["format", "N x K", "M", "weight MB", "GPU us", "eager us", "GB/s", "% of copy peak", "TFLOP/s",
+             "cuBLAS bf16 us", "bf16 / kernel", "twin us", "max err (rel)", "check"], rows,
+            ["int4: group 128 (weight MB includes scales and zeros); fp8: 128x128 block scales",
+             "cuBLAS bf16: F.linear on bf16 copies of the same shape (4x the int4 bytes, 2x the fp8 bytes)"])
+
+
+def section_sweep(b: Bench, S: dict):
+    """A few tile configurations at M = 1, while the budget lasts: data for the defaults."""
+    from dsv3lite.kernels.fused_moe import fused_moe
+    from dsv3lite.kernels.quant_matmul import w4a16_matmul
+    from dsv3lite.quant.formats import get_format
+
+    hidden, inter, slots = S["hidden"], S["inter"], S["slots"]
+    configs = [dict(), dict(block_n=32, block_d=32), dict(num_warps=8), dict(use_dot=True), dict(block_k=256)]
+    rows = []
+    for name in ("int4", "fp8"):
+        fmt = get_format(name, 128)
+        layout = fmt.layout(inter, hidden)
+        real = _expert_blobs(fmt, inter, hidden, 1, b.device)[0]
+        pool = real.expand(slots, -1).contiguous()
+        slot_of_expert = torch.full((S["experts"],), -1, dtype=torch.int32)
+        slot_of_expert[:slots] = torch.arange(slots, dtype=torch.int32)
+        slot_of_expert = slot_of_expert.to(b.device)
+        x = torch.randn(1, hidden, device=b.device, dtype=torch.bfloat16)
+        routes = [_moe_routing(1, i, S, b.device) for i in range(max(1, min(S["max_calls"], slots // S["top_k"])))]
+        nbytes = S["top_k"] * layout.blob_bytes
+        for cfg in configs:
+            if name == "fp8" and cfg.get("block_k", 0) > 128:
+                continue
+            if b.left_s() < 6:
+                break
+            calls = [partial(fused_moe, x, r[0], r[1], slot_of_expert, pool, layout, **cfg) for r in routes]
+            t = b.gpu_ms(calls) or b.eager_ms(calls)
+            rows.append([f"fused_moe {name}", cfg or "default", ms_us(t), nbytes / t / 1e6,
+                         None if not b.copy_gbs else 100 * nbytes / t / 1e6 / b.copy_gbs])
+        del pool
+        free()
+    if b.left_s() >= 6:
+        copies, nbytes, _ = _gemv_weights("int4", *S["gemv"][0], S, b.device)
+        k = S["gemv"][0][1]
+        x = torch.randn(1, k, device=b.device, dtype=torch.bfloat16)
+        for cfg in (dict(), dict(block_n=64), dict(split_k=1), dict(num_warps=8), dict(block_k=256)):
+            if b.left_s() < 4:
+                break
+            calls = [partial(w4a16_matmul, x, *c, k=k, group_size=128, **cfg) for c in copies[:S["max_calls"] * 4]]
+            t = b.gpu_ms(calls) or b.eager_ms(calls)
+            rows.append([f"w4a16 {S['gemv'][0][0]}x{k}", cfg or "default", ms_us(t), nbytes / t / 1e6,
+                         None if not b.copy_gbs else 100 * nbytes / t / 1e6 / b.copy_gbs])
+        del copies
+        free()
+    b.table("sweep", "Tile configurations at M = 1 (GPU time; the first row of each kernel is the default)",
+            ["kernel", "config", "GPU us", "GB/s", "% of copy peak"], rows)
+
+
+SECTIONS = {"peaks": section_peaks, "moe": section_moe, "mla": section_mla, "gemv": section_gemv,
+            "sweep": section_sweep}
+
+
+def _device_name(b: Bench) -> str:
+    if b.cuda:
+        p = torch.cuda.get_device_properties(b.device)
+        return f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB"
+    return f"CPU ({platform.processor() or platform.machine()}), Triton interpreter"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="results directory")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, in this order")
+    ap.add_argument("--budget-s", type=float, default=90.0, help="soft time limit: later work is skipped past it")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU in Triton's interpreter (logic check)")
+    args = ap.parse_args()
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        print(f"gpu_kernels.py: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    if not args.tiny and not torch.cuda.is_available():
+        print("gpu_kernels.py: needs a CUDA GPU (torch.cuda.is_available() is False); "
+              "run with --tiny for a logic check on CPU", file=sys.stderr)
+        return 2
+    try:
+        import triton
+    except ImportError:
+        print("gpu_kernels.py: needs Triton (pip install triton)", file=sys.stderr)
+        return 2
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    S = TINY if args.tiny else V3
+    b = Bench(args.out, device, args.budget_s, S["reps"])
+    header = (f"# dsv3lite kernels, {time.strftime('%Y-%m-%d %H:%M:%S')}\n\n- device: {_device_name(b)}\n"
+              f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}\n"
+              f"- command: python {' '.join(sys.argv)}\n")
+    (args.out / "kernels_env.md").write_text(header)
+    print(header, flush=True)
+    torch.manual_seed(0)
+    errors = []
+    for name in sections:
+        if b.left_s() <= 0:
+            print(f"== {name}: skipped, time budget of {args.budget_s:.0f} s spent", file=sys.stderr)
+            continue
+        t0 = time.time()
+        print(f"== {name}", flush=True)
+        try:
+            SECTIONS[name](b, S)
+        except Exception as e:   # keep what the other sections measure
+            traceback.print_exc()
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+            with (args.out / f"kernels_{name}.md").open("a") as f:
+                f.write(f"### {name}: FAILED\n\n```\n{traceback.format_exc()[-3000:]}\n```\n\n")
+            free()
+        print(f"== {name}: {time.time() - t0:.1f} s", flush=True)
+    summary = [f"total {time.time() - b.start:.1f} s"] + [f"check failed: {f}" for f in b.failures] + \
+              [f"section failed: {e}" for e in errors]
+    with (args.out / "kernels_env.md").open("a") as f:
+        f.write("\n" + "\n".join(f"- {s}" for s in summary) + "\n")
+    print("\n".join(summary), flush=True)
+    return 1 if (b.failures or errors) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""Weight-only quantized matmuls for decode (M = 1..16 rows): W4A16 (int4 groups) and W8A16 (fp8 blocks).
+
+y = x @ W^T with W read in its storage format and dequantized tile by tile in registers, exactly as the
+format does it (quant/int4.py, quant/fp8.py), then multiplied in x's dtype with fp32 accumulation.
+`_dot_step` is the one tile step per format; fused_moe.py reuses it on weights in the expert slot pool.
+Every launcher takes component tensors as views (`BlobLayout.view`), so they may point into a pool row.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import dispatch
+from .mla_decode import _sm_count
+from ..quant.fp8 import BLOCK as FP8_BLOCK, fp8_block_dequant, scale_grid_shape
+from ..quant.int4 import int4_dequant, padded_k
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton on this platform: only the twins run
+    triton = None
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+FMT_INT4, FMT_FP8, FMT_BF16 = 0, 1, 2   # the `FMT` constexpr of every kernel
+FMT_CODES = {"int4": FMT_INT4, "fp8": FMT_FP8, "bf16": FMT_BF16}
+DOT_MIN_ROWS = 3                        # from this many rows up, tensor-core tl.dot; below, fp32 multiply-adds
+_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tile step: acc += x[:, tile] (x) W[:, tile]^T for the `it`-th K tile of BLOCK_K weight elements.
+#
+# Addresses are a scalar base pointer plus int32 offset vectors (rows of x, rows of W), so little stays
+# live across the K loop. Weight tiles are loaded as [k, n] (k fastest in memory: coalesced). int4 goes
+# group by group: the bytes [g/2, n] of one group hold element b in the low nibble and b + g/2 in the
+# high one, so x is read as two contiguous halves, with one scale and zero per row. fp8: BLOCK_K divides
+# 128, so a tile sits in one column of the scale grid: one scale per row per tile.
+# Two inner products (USE_DOT): tl.dot on tensor cores with BLOCK_M >= 16 rows (acc [BLOCK_M, BLOCK_N]), or,
+# for 1-2 rows, fp32 multiply-adds into acc [BLOCK_M, KW, BLOCK_N] (KW = g/2 or BLOCK_K) that is summed over
+# KW once after the loop (`_acc_result`): no per-tile reduction and no shared-memory operand shuffles.
+# ----------------------------------------------------------------------------------------------
+
+@_jit
+def _cast(v, dtype, EMULATE_RNE: tl.constexpr):
+    # v -> dtype, rounding to nearest even. Triton's interpreter truncates fp32 -> bf16 (a GPU rounds), so
+    # there the rounding is done on the bits first and the cast is exact.
+    if EMULATE_RNE:
+        if dtype == tl.bfloat16:
+            bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+            v = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+@_jit
+def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+               BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif FMT == 0:
+        acc = tl.zeros([BLOCK_M, GROUP // 2, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
+@_jit
+def _acc_result(acc, USE_DOT: tl.constexpr):
+    # [BLOCK_M, BLOCK_N] fp32
+    if not USE_DOT:
+        acc = tl.sum(acc, 1)
+    return acc
+
+
+@_jit
+def _dot_step(acc, it, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, z_ptr, s_off, n_ok,
+              FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # x_off [BLOCK_M]: element offsets of x's rows from x_ptr (valid where x_ok); k_in: valid input features.
+    # w_off [BLOCK_N]: offsets of the weight's rows from w_ptr (int4: of the packed byte rows);
+    # s_off [BLOCK_N]: offsets of the rows' scales (int4: and zeros, from z_ptr) from s_ptr; for fp8 those
+    # of row n // 128 of the scale grid. n_ok [BLOCK_N].
+    # Weights are rounded to x's dtype, as the formats dequantize. UPCAST (interpreter, whose bf16 tl.dot is
+    # wrong): fp32 operands holding those values; the interpreter truncates fp32 -> bf16, so there the bf16
+    # rounding is done on the bits (to nearest even) first.
+    if FMT == 0:   # int4
+        for sub in tl.static_range(BLOCK_K // GROUP):
+            grp = it * (BLOCK_K // GROUP) + sub
+            half = tl.arange(0, GROUP // 2)
+            k_lo = grp * GROUP + half
+            k_hi = k_lo + GROUP // 2
+            n_groups = tl.cdiv(k_in, GROUP)
+            col = grp * (GROUP // 2) + half
+            q = tl.load(w_ptr + (w_off[None, :] + col[:, None]),
+                        mask=(col < n_groups * (GROUP // 2))[:, None] & n_ok[None, :], other=0)
+            # a group past the last (K short of the tile) reads the last group's scale: finite, met by x = 0
+            s_at = s_off + tl.minimum(grp, n_groups - 1)
+            s = tl.load(s_ptr + s_at, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + s_at, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            # padded k (>= k_in) must meet x = 0: the padding codes dequantize to about zero, not zero
+            x_lo = tl.load(x_ptr + (x_off[:, None] + k_lo[None, :]), mask=x_ok[:, None] & (k_lo < k_in)[None, :],
+                           other=0.0)
+            x_hi = tl.load(x_ptr + (x_off[:, None] + k_hi[None, :]), mask=x_ok[:, None] & (k_hi < k_in)[None, :],
+                           other=0.0)
+            w_lo = ((q & 0xF).to(tl.float32) - z) * s
+            w_hi = ((q >> 4).to(tl.float32) - z) * s
+            if UPCAST:
+                if x_lo.dtype == tl.bfloat16:
+                    bits = w_lo.to(tl.uint32, bitcast=True)
+                    w_lo = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
+                    bits = w_hi.to(tl.uint32, bitcast=True)
+                    w_hi = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
+            w_lo = w_lo.to(x_lo.dtype)
+            w_hi = w_hi.to(x_lo.dtype)
+            if UPCAST or not USE_DOT:
+                x_lo = x_lo.to(tl.float32)
+                x_hi = x_hi.to(tl.float32)
+                w_lo = w_lo.to(tl.float32)
+                w_hi = w_hi.to(tl.float32)
+            if USE_DOT:
+                acc += tl.dot(x_lo, w_lo, input_precision=PRECISION)
+                acc += tl.dot(x_hi, w_hi, input_precision=PRECISION)
+            else:
+                acc += x_lo[:, :, None] * w_lo[None, :, :] + x_hi[:, :, None] * w_hi[None, :, :]
+    else:
+        k = it * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = k < k_in
+        xt = tl.load(x_ptr + (x_off[:, None] + k[None, :]), mask=x_ok[:, None] & k_ok[None, :], other=0.0)
+        q = tl.load(w_ptr + (w_off[None, :] + k[:, None]), mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FMT == 1:   # fp8: bf16(fp32(q) * s), then the compute dtype
+            s = tl.load(s_ptr + (s_off + (it * BLOCK_K) // 128), mask=n_ok, other=0.0)[None, :]
+            w = q.to(tl.float32) * s
+            if UPCAST:
+                bits = w.to(tl.uint32, bitcast=True)
+                w = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
+            w = w.to(tl.bfloat16).to(xt.dtype)
+        else:          # bf16
+            w = q.to(xt.dtype)
+        if UPCAST or not USE_DOT:
+            xt = xt.to(tl.float32)
+            w = w.to(tl.float32)
+        if USE_DOT:
+            acc += tl.dot(xt, w, input_precision=PRECISION)
+        else:
+            acc += xt[:, :, None] * w[None, :, :]
+    return acc
+
+
+@_jit
+def _quant_matmul_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr,
+    M, N, K, n_tiles, tiles_per_split,
+    stride_xm, stride_wn, stride_sn,   # x [M, K]; weight / scale (and zero) row strides in elements
+    stride_os, stride_om,              # out [splits, M, N] (splits = 1: the result itself)
+    FMT: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    split = tl.program_id(2)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    if FMT == 1:
+        s_off = (offs_n // 128) * stride_sn
+    else:
+        s_off = offs_n * stride_sn
+
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, FMT, GROUP, BLOCK_K, USE_DOT)
+    start = split * tiles_per_split
+    for it in range(start, tl.minimum(start + tiles_per_split, n_tiles)):
+        acc = _dot_step(acc, it, x_ptr, offs_m * stride_xm, m_ok, K, w_ptr, offs_n * stride_wn, s_ptr, z_ptr,
+                        s_off, n_ok, FMT, GROUP, BLOCK_K, USE_DOT, UPCAST, PRECISION)
+    out = out_ptr + split * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, _cast(_acc_result(acc, USE_DOT), out_ptr.dtype.element_ty, UPCAST),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch planning, shared with fused_moe.py
+# ----------------------------------------------------------------------------------------------
+
+def plan_blocks(fmt: int, m: int, n: int, k: int, group: int, use_dot: bool | None = None,
+                block_n: int | None = None, block_k: int | None = None) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT) for M rows of x times an [N, K] weight in format `fmt`.
+
+    tl.dot needs 16 rows, so it pays from DOT_MIN_ROWS rows up; fewer rows use fp32 multiply-adds.
+    BLOCK_K (weight elements per K tile) is a power of two no wider than the (padded) K needs; int4: a
+    multiple of the group size (one group per step by default); fp8: a divisor of the 128-wide scale blocks.
+    """
+    use_dot = m >= DOT_MIN_ROWS if use_dot is None else bool(use_dot)
+    block_m = 16 if use_dot else min(16, triton.next_power_of_2(m))
+    bn = max(16, min(block_n or 32, triton.next_power_of_2(n)))
+    # default K tile: one int4 group, 64 fp8 or bf16 elements (64-128 weight bytes per row): wider tiles
+    # cost registers (checked with ptxas for sm_90) and so occupancy
+    if fmt == FMT_INT4:
+        bk = block_k or group
+        assert bk & (bk - 1) == 0, f"block_k must be a power of two, got {bk}"
+        bk = max(group, min(bk, triton.next_power_of_2(padded_k(k, group))))
+    else:
+        bk = block_k or 64
+        assert bk & (bk - 1) == 0, f"block_k must be a power of two, got {bk}"
+        assert fmt != FMT_FP8 or bk <= FP8_BLOCK, f"fp8 block_k must divide {FP8_BLOCK}, got {bk}"
+        bk = max(16, min(bk, triton.next_power_of_2(k)))   # 16: the smallest K of a tl.dot
+    return block_m, bn, bk, use_dot
+
+
+def num_tiles(fmt: int, k: int, group_size: int | None, block_k: int) -> int:
+    """K tiles per row; int4 tiles cover the zero-padded K (a multiple of the group size)."""
+    kp = padded_k(k, group_size) if fmt == FMT_INT4 else k
+    return triton.cdiv(kp, block_k)
+
+
+def dot_precision(dtype: torch.dtype, upcast: bool) -> str:
+    # fp32 operands: "ieee", so fp32 models get no tf32 rounding; 16-bit operands ignore it
+    return "ieee" if (upcast or dtype == torch.float32) else "tf32"
+
+
+def _auto_split_k(programs: int, tiles: int, device: torch.device) -> int:
+    """About four programs per SM, each with at least two K tiles."""
+    wanted = -(-4 * _sm_count(device) // max(programs, 1))
+    return max(1, min(wanted, tiles // 2))
+
+
+def _check_x(x: torch.Tensor, k: int) -> None:
+    assert x.dtype in _X_DTYPES, f"x must be float16, bfloat16 or float32, got {x.dtype}"
+    assert x.dim() >= 1 and x.shape[-1] == k, f"x must be [..., {k}], got shape {tuple(x.shape)}"
+
+
+def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, n: int, k: int,
+            group: int, stride_sn: int, use_dot: bool | None, block_n: int | None, block_k: int | None,
+            split_k: int | None, num_warps: int, num_stages: int) -> torch.Tensor:
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out_shape = (*lead, n)
+    if m == 0:
+        return x.new_empty(out_shape)
+    assert n * w.stride(0) < 2**31 and m * x2.stride(0) < 2**31, "offsets are int32: split the weight or x"
+    upcast = dispatch.interpreted()
+    bm, bn, bk, use_dot = plan_blocks(fmt, m, n, k, group, use_dot, block_n, block_k)
+    tiles = num_tiles(fmt, k, group, bk)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    splits = split_k or _auto_split_k(grid[0] * grid[1], tiles, x.device)
+    tiles_per_split = triton.cdiv(tiles, max(1, splits))
+    splits = triton.cdiv(tiles, tiles_per_split)     # no empty split
+    if splits == 1:
+        part = torch.empty(1, m, n, dtype=x.dtype, device=x.device)
+    else:   # fp32 partial sums, added in a fixed order afterwards (no atomics: the result is reproducible)
+        part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    _quant_matmul_kernel[(*grid, splits)](
+        x2, w, s, z, part,
+        m, n, k, tiles, tiles_per_split,
+        x2.stride(0), w.stride(0), stride_sn,
+        part.stride(0), part.stride(1),
+        FMT=fmt, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=use_dot,
+        UPCAST=upcast, PRECISION=dot_precision(x.dtype, upcast),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    out = part[0] if splits == 1 else part.sum(0).to(x.dtype)
+    return out.view(out_shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# W4A16
+# ----------------------------------------------------------------------------------------------
+
+def _check_int4(qweight, scales, zeros, k, group_size):
+    assert group_size >= 32 and group_size & (group_size - 1) == 0, (
+        f"group_size must be a power of two >= 32 (the kernel's tile), got {group_size}")
+    kp = padded_k(k, group_size)
+    assert qweight.dtype == torch.uint8 and qweight.dim() == 2 and qweight.shape[1] == kp // 2, (
+        f"qweight must be uint8 [N, {kp // 2}] for K={k}, group {group_size}; "
+        f"got {qweight.dtype} {tuple(qweight.shape)}")
+    n = qweight.shape[0]
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        assert t.dtype == torch.float16 and tuple(t.shape) == (n, kp // group_size), (
+            f"{name} must be float16 [{n}, {kp // group_size}], got {t.dtype} {tuple(t.shape)}")
+    assert scales.stride() == zeros.stride(), "scales and zeros must have the same strides"
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+        assert t.stride(1) == 1, f"{name} rows must be contiguous, got strides {t.stride()}"
+        assert t.device == qweight.device, f"{name} is on {t.device}, qweight on {qweight.device}"
+    return n
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int,
+                 group_size: int, *, use_dot: bool | None = None, block_n: int | None = None,
+                 block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
+                 num_stages: int = 3) -> torch.Tensor:
+    """x [..., K] @ W^T for an int4 weight W [N, K] in this project's packing -> [..., N] in x.dtype.
+
+    qweight uint8 [N, Kp/2], scales / zeros float16 [N, Kp/g] (Kp = K padded to the group size g),
+    w = (q - z) * s in fp32 rounded to x.dtype; fp32 accumulation. Rows of each tensor must be contiguous;
+    the tensors may be views into an expert blob or pool row. Tuning knobs (None = automatic): use_dot
+    (tensor-core tl.dot rather than fp32 multiply-adds), block_n / block_k (tile), split_k (K splits,
+    their fp32 partials summed in a fixed order).
+    """
+    assert triton is not None, "w4a16_matmul needs Triton; use w4a16_matmul_ref (or w4a16_matmul_auto)"
+    _check_x(x, k)
+    n = _check_int4(qweight, scales, zeros, k, group_size)
+    assert x.device == qweight.device, f"x is on {x.device}, qweight on {qweight.device}"
+    return _launch(FMT_INT4, x, qweight, scales, zeros, n, k, group_size, scales.stride(0),
+                   use_dot, block_n, block_k, split_k, num_warps, num_stages)
+
+
+def w4a16_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int,
+                     group_size: int) -> torch.Tensor:
+    """The twin of `w4a16_matmul`: dequantize as the int4 format does (to x.dtype), then F.linear."""
+    _check_x(x, k)
+    _check_int4(qweight, scales, zeros, k, group_size)
+    return F.linear(x, int4_dequant(qweight, scales, zeros, k, group_size, x.dtype))
+
+
+def w4a16_matmul_auto(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int,
+                      group_size: int) -> torch.Tensor:
+    """`w4a16_matmul` where kernels run (dispatch.use_kernels), else `w4a16_matmul_ref`."""
+    if dispatch.use_kernels(x.device):
+        return w4a16_matmul(x, qweight, scales, zeros, k, group_size)
+    return w4a16_matmul_ref(x, qweight, scales, zeros, k, group_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# W8A16
+# ----------------------------------------------------------------------------------------------
+
+def _check_fp8(weight, scale):
+    assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
+        f"weight must be float8_e4m3fn [N, K], got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    assert scale.dtype == torch.float32 and tuple(scale.shape) == scale_grid_shape(n, k), (
+        f"scale must be float32 {scale_grid_shape(n, k)} for weight {(n, k)}, got {scale.dtype} {tuple(scale.shape)}")
+    assert weight.stride(1) == 1 and scale.stride(1) == 1, "weight and scale rows must be contiguous"
+    assert scale.device == weight.device, f"scale is on {scale.device}, weight on {weight.device}"
+    return n, k
+
+
+def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, use_dot: bool | None = None,
+                 block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                 num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x [..., K] @ W^T for an fp8 e4m3 weight [N, K] with float32 128x128 block scales -> [..., N] in x.dtype.
+
+    w = bf16(fp32(q) * scale[n // 128, k // 128]) cast to x.dtype (the project's one FP8 dequantization);
+    fp32 accumulation. Tuning knobs as for `w4a16_matmul`.
+    """
+    assert triton is not None, "w8a16_matmul needs Triton; use w8a16_matmul_ref (or w8a16_matmul_auto)"
+    n, k = _check_fp8(weight, scale)
+    _check_x(x, k)
+    assert x.device == weight.device, f"x is on {x.device}, weight on {weight.device}"
+    return _launch(FMT_FP8, x, weight, scale, scale, n, k, FP8_BLOCK, scale.stride(0),
+                   use_dot, block_n, block_k, split_k, num_warps, num_stages)
+
+
+def w8a16_matmul_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The twin of `w8a16_matmul`: `fp8_block_dequant` to x.dtype, then F.linear."""
+    _, k = _check_fp8(weight, scale)
+    _check_x(x, k)
+    return F.linear(x, fp8_block_dequant(weight, scale, x.dtype))
+
+
+def w8a16_matmul_auto(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`w8a16_matmul` where kernels run (dispatch.use_kernels), else `w8a16_matmul_ref`."""
+    if dispatch.use_kernels(x.device):
+        return w8a16_matmul(x, weight, scale)
+    return w8a16_matmul_ref(x, weight, scale)
