@@ -320,3 +320,14 @@ def hf_mtp_logits(hf, path: str | os.PathLike, input_ids):
                                   position_ids=pos)
         out = mtp(emb, prev, position_embeddings=pe, attention_mask=mask, position_ids=pos, cache=None)
         return hf.lm_head(out)
+
+
+def offload_budget(path, slots: int, experts: str, ctx: int = 160, mtp: bool = True) -> int:
+    """A --gpu-mem (bytes, float32 compute) that buys exactly `slots` expert slots for checkpoint `path`."""
+    import torch
+
+    from .config import ModelArgs
+    from .offload.setup import plan_for
+
+    plan, *_ = plan_for(Path(path), ModelArgs.from_dir(path), 1 << 40, ctx, experts, mtp, torch.float32)
+    return plan.resident + slots * plan.slot_bytes

@@ -35,3 +35,11 @@ def use_kernels(device: torch.device | str) -> bool:
     if torch.device(device).type == "cuda":
         return True
     return interpreted() and mode == "triton"
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a nominal 8 in the interpreter, so split heuristics still split)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8

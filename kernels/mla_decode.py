@@ -7,8 +7,6 @@ Sq <= 4 new tokens per sequence (MTP verification) use the bottom-right causal m
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import dispatch
@@ -177,13 +175,6 @@ def _mla_decode_merge_kernel(
     tl.store(lse_ptr + b * stride_lb + rows * stride_lr, lse, mask=row_ok)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8   # interpreter: a nominal count, so the heuristic still splits long contexts
-
-
 def _block_sizes(kv_lora_rank: int, rope_dim: int) -> tuple[int, int, int, int]:
     # 16 is the smallest M/K of a 16-bit tl.dot; widths pad to powers of two and are masked
     block_dl = max(16, triton.next_power_of_2(kv_lora_rank))
@@ -194,7 +185,7 @@ def _block_sizes(kv_lora_rank: int, rope_dim: int) -> tuple[int, int, int, int]:
 
 def _auto_num_splits(batch: int, row_blocks: int, context: int, device: torch.device) -> int:
     """About two waves of programs over the GPU, but no split shorter than _MIN_SPLIT_TOKENS."""
-    wanted = -(-2 * _sm_count(device) // (batch * row_blocks))
+    wanted = -(-2 * dispatch.sm_count(device) // (batch * row_blocks))
     longest = max(1, context // _MIN_SPLIT_TOKENS)
     return max(1, min(wanted, longest, _MAX_SPLITS))
 

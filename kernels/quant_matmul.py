@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
-from .mla_decode import _sm_count
 from ..quant.fp8 import BLOCK as FP8_BLOCK, fp8_block_dequant, scale_grid_shape
 from ..quant.int4 import int4_dequant, padded_k
 
@@ -219,7 +218,7 @@ def dot_precision(dtype: torch.dtype, upcast: bool) -> str:
 
 def _auto_split_k(programs: int, tiles: int, device: torch.device) -> int:
     """About four programs per SM, each with at least two K tiles."""
-    wanted = -(-4 * _sm_count(device) // max(programs, 1))
+    wanted = -(-4 * dispatch.sm_count(device) // max(programs, 1))
     return max(1, min(wanted, tiles // 2))
 
 

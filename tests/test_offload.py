@@ -9,14 +9,9 @@ import dsv3lite
 from dsv3lite.config import ModelArgs
 from dsv3lite.errors import UserError
 from dsv3lite.offload.setup import plan_for
+from dsv3lite.testing import offload_budget as budget_for
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs away into the forest."
-
-
-def budget_for(path, slots: int, experts: str, ctx: int = 160, mtp: bool = True) -> int:
-    args = ModelArgs.from_dir(path)
-    plan, *_ = plan_for(path, args, 1 << 40, ctx, experts, mtp, torch.float32)
-    return plan.resident + slots * plan.slot_bytes
 
 
 def load(path, **kw):

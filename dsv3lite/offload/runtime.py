@@ -13,6 +13,8 @@ import time
 import torch
 from torch import nn
 
+from ..kernels import dispatch
+from ..kernels.fused_moe import fused_moe
 from ..model import combine_experts
 from ..quant.layout import BlobLayout, ExpertFormat
 from .cache import Counters, ExpertCache, HostStore
@@ -97,6 +99,7 @@ class OffloadRuntime:
         self.per_layer: dict[int, Counters] = {}
         any_key = (next(iter(host.layers)), 0)
         self.cost = CostModel.measure(self.cache, fmt, layout, any_key, dtype)
+        self.fused = dispatch.use_kernels(device)        # decode steps through the fused MoE kernel
         self._t_start = time.perf_counter()
 
     # --- wiring --------------------------------------------------------------------------------
@@ -154,8 +157,11 @@ class OffloadRuntime:
         self._score_predictions(layer_id, set(used))
         self.cache.pinned |= {(layer_id, e) for e in used}
         place = {e: self._place(layer_id, e, n, counts) for e in used}
-        out = combine_experts(lambda e, xs: self._compute(place[e], layer_id, e, xs), x, ids, weights,
-                              host_ids=rows)
+        if self.fused and self.layout.format != "nf4":
+            out = self._fused(layer_id, x, ids, weights, rows, place)
+        else:
+            out = combine_experts(lambda e, xs: self._compute(place[e], layer_id, e, xs), x, ids, weights,
+                                  host_ids=rows)
         self.cache.release([s for s in place.values() if s is not None])
         self.cache.collect_copy_time()
         return out
@@ -192,6 +198,24 @@ class OffloadRuntime:
             return y.to(device=xs.device, dtype=xs.dtype)
         self.cache.wait(slot)
         return self.fmt.expert_forward(self.cache.slot_view(slot), xs, self.layout).to(xs.dtype)
+
+    def _fused(self, layer_id, x, ids, weights, rows, place) -> torch.Tensor:
+        """Decode through the fused MoE kernel: resident experts read from their slots; CPU-computed misses
+        enter as external outputs at their (token, k) positions, summed in the same ascending-id order."""
+        table = torch.full((self.host.layers[layer_id].shape[0],), -1, dtype=torch.int32)
+        external = None
+        for e, slot in place.items():
+            if slot is not None:
+                table[e] = slot
+                self.cache.wait(slot)
+        if any(slot is None for slot in place.values()):
+            external = torch.zeros(x.shape[0], ids.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
+            for t, row in enumerate(rows):
+                for k, e in enumerate(row):
+                    if place[e] is None:
+                        external[t, k] = self._compute(None, layer_id, e, x[t:t + 1])[0]
+        table = table.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else table
+        return fused_moe(x, ids, weights, table, self.cache.pool, self.layout, external)
 
     def _bulk(self, layer_id, x, ids, weights, rows, counts) -> torch.Tensor:
         """Prefill: every expert this layer needs crosses once, streamed in ascending id with a few copies in
