@@ -46,7 +46,16 @@ setup() {
 # Triton kernels (fused MoE, MLA decode, W4A16/W8A16) vs the copy/matmul peaks and their twins, each checked
 # against its twin first. Writes kernels_*.md and kernels.json. About 60-90 s, most of it Triton compiling.
 stage_kernels() {
-    "$PYTHON" benchmarks/gpu_kernels.py "$RESULTS_DIR" --budget-s 90
+    "$PYTHON" benchmarks/gpu_kernels.py "$RESULTS_DIR" --budget-s 75
+}
+
+# ---- stage: offload -------------------------------------------------------------------------------------
+# Expert offloading on synthetic DeepSeek-V3-shaped layers (4 MoE layers x 256 int4 experts, built in
+# memory): pinned copy peak; decode tok/s all-resident vs offloaded with prefetch vs on demand at 25% and 50%
+# of experts resident, hit rate, H2D GB/s vs peak, peak GPU memory vs --gpu-mem; the MTP verify cost; time per
+# MoE layer vs HF accelerate device_map offload (one layer, bf16). Writes offload_*.md. About 60-90 s.
+stage_offload() {
+    "$PYTHON" benchmarks/gpu_offload.py "$RESULTS_DIR" --layers 4 --tokens 32
 }
 
 # ---- stage: kernel_tests --------------------------------------------------------------------------------
@@ -68,8 +77,9 @@ stage_kernel_tests() {
 
 # ---- runner ---------------------------------------------------------------------------------------------
 STAGES=(
-    "kernels 150"
-    "kernel_tests 60"
+    "kernels 110"
+    "offload 120"
+    "kernel_tests 45"
 )
 
 run_stage() {
