@@ -1,0 +1,602 @@
+"""`dsv3lite quantize`: an HF checkpoint -> a directory with every routed expert as one packed blob, and
+the runtime's side of such a directory (manifest, zero-copy blob maps, quantize-at-load).
+
+Output directory (DST):
+  config.json, tokenizer files   copied verbatim
+  model.safetensors              every tensor but the routed experts, under its HF name: routers fp32, the rest
+                                 bf16; with --dense fp8 an FP8 source's FP8 weights and weight_scale_inv as they are
+  experts.safetensors            per MoE layer (the MTP layer too when present) one uint8 tensor
+                                 model.layers.{i}.mlp.experts.blobs [n_routed_experts, blob_bytes], row e = expert e
+  dsv3lite_manifest.json         format, group size, blob layout, dense dtype, MoE layers, source hash, versions
+
+Both safetensors headers are known before any weight is read, so the files are sized up front and filled in place,
+one tensor or one expert at a time: memory stays near a few experts whatever the model size. Work happens in
+DST.partial/ (progress.json there records the finished layers) and is renamed to DST only when complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ModelArgs
+from ..errors import UserError
+from ..loader import CheckpointIndex, map_name, mtp_status, read_header
+from ..utils import format_bytes
+from .formats import format_for_layout, get_format
+from .fp8 import fp8_block_dequant, scale_grid_shape
+from .layout import MATRICES, BlobLayout, ExpertFormat
+from .tensorfile import DTYPES, TensorFileWriter, TensorSpan, entry_nbytes, tensor_spans
+
+MANIFEST = "dsv3lite_manifest.json"
+MANIFEST_VERSION = 1
+DENSE_FILE = "model.safetensors"
+EXPERTS_FILE = "experts.safetensors"
+PROGRESS = "progress.json"          # inside DST.partial/ only
+SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+              "generation_config.json", "special_tokens_map.json", "tiktoken.model")
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")      # checkpoint names of MATRICES, same order
+SOURCE_FLOAT_DTYPES = ("BF16", "F16", "F32", "F8_E4M3")
+_ROUTER_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")   # kept fp32
+# test hook: stop (sleep) once this many MoE layers are finished, so a test can interrupt at a known point
+PAUSE_ENV = "DSV3LITE_TEST_PAUSE_AFTER_LAYERS"
+
+
+class QuantizeInterrupted(UserError):
+    """Ctrl-C during quantize: DST.partial/ is consistent and `--resume` continues it."""
+
+
+def blob_name(layer_id: int) -> str:
+    return f"model.layers.{layer_id}.mlp.experts.blobs"
+
+
+def expert_tensor_name(layer_id: int, expert: int, proj: str) -> str:
+    return f"model.layers.{layer_id}.mlp.experts.{expert}.{proj}.weight"
+
+
+def _natural_key(name: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _describe(fmt_name: str, group_size) -> str:
+    return f"int4 (group {group_size})" if fmt_name == "int4" else fmt_name
+
+
+# ---- reading the source, one tensor at a time -----------------------------------------------------------------
+
+class SourceReader:
+    """Tensors of an HF checkpoint read one at a time with pread at the offsets of the safetensors headers, into
+    memory of their own. (safetensors' safe_open maps the shard, and every page a read touches stays in the
+    process's RSS until the handle closes: +1 expert per expert read, measured.)"""
+
+    def __init__(self, index: CheckpointIndex):
+        self.index = index
+        self._shards: dict[Path, tuple[int, dict[str, TensorSpan]]] = {}   # shard -> (fd, name -> span)
+
+    def _locate(self, name: str) -> tuple[int, TensorSpan, Path]:
+        shard = self.index.files.get(name)
+        if shard is None:
+            raise UserError(f"checkpoint is missing tensor {name}")
+        if shard not in self._shards:
+            spans = tensor_spans(shard)
+            try:
+                self._shards[shard] = (os.open(shard, os.O_RDONLY), spans)
+            except OSError as e:
+                raise UserError(f"cannot read {shard}: {e.strerror}") from None
+        fd, spans = self._shards[shard]
+        if name not in spans:
+            raise UserError(f"{shard.name} does not hold {name}, which the checkpoint index places there")
+        return fd, spans[name], shard
+
+    def get(self, name: str) -> torch.Tensor:
+        fd, span, shard = self._locate(name)
+        dtype = DTYPES.get(span.dtype)
+        if dtype is None or span.nbytes != entry_nbytes(span.dtype, span.shape):
+            raise UserError(f"tensor {name} in {shard.name}: unsupported dtype {span.dtype} or inconsistent size")
+        buf = torch.empty(span.nbytes, dtype=torch.uint8)
+        view, offset = memoryview(buf.numpy()), span.start
+        while view.nbytes:
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise UserError(f"cannot read tensor {name}: {shard.name} is truncated")
+            view, offset = view[n:], offset + n
+        return buf.view(dtype).view(span.shape)
+
+    def weight(self, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, its FP8 block scale_inv or None) with the shapes checked."""
+        w = self.get(name)
+        if tuple(w.shape) != tuple(shape):
+            raise UserError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)} from config.json")
+        if w.dtype != torch.float8_e4m3fn:
+            return w, None
+        s = self.get(name + "_scale_inv")
+        if tuple(s.shape) != scale_grid_shape(*shape):
+            raise UserError(f"{name}_scale_inv has shape {tuple(s.shape)}, expected {scale_grid_shape(*shape)} "
+                            f"for a {tuple(shape)} weight with 128x128 blocks")
+        return w, s.float()
+
+    def close(self) -> None:
+        for fd, _ in self._shards.values():
+            os.close(fd)
+        self._shards.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def pack_expert(reader: SourceReader, layer_id: int, expert: int, fmt: ExpertFormat, layout: BlobLayout,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert of the source as a blob of `fmt`. FP8 source + fp8 format: bytes and scales copied verbatim;
+    otherwise FP8 weights are dequantized the project's one way (bf16(fp32(w) * s)) and then quantized."""
+    weights = [reader.weight(expert_tensor_name(layer_id, expert, p), layout.matrix_shape(m))
+               for p, m in zip(PROJECTIONS, MATRICES)]
+    if fmt.name == "fp8" and all(s is not None for _, s in weights):
+        (gw, gs), (uw, us), (dw, ds) = weights
+        return fmt.pack_prequantized(gw, gs, uw, us, dw, ds, out=out)
+    dense = [w if s is None else fp8_block_dequant(w, s, torch.bfloat16) for w, s in weights]
+    return fmt.pack(*dense, out=out)
+
+
+def _check_layout(fmt: ExpertFormat, layout: BlobLayout, args: ModelArgs) -> None:
+    if fmt.layout(args.moe_intermediate_size, args.hidden_size) != layout:
+        raise ValueError(f"layout {layout.format}/{layout.group_size} ({layout.inter}x{layout.hidden}) is not what "
+                         f"{fmt!r} builds for this model")
+
+
+def quantize_layer_from_hf(root_or_index, args: ModelArgs, layer_id: int, fmt: ExpertFormat,
+                           layout: BlobLayout) -> torch.Tensor:
+    """All routed experts of `layer_id` from an HF checkpoint, quantized at load: uint8 [E, blob_bytes] in RAM.
+    The same per-expert code as `quantize`, so the bytes equal that layer's rows of experts.safetensors."""
+    index = root_or_index if isinstance(root_or_index, CheckpointIndex) else CheckpointIndex.open(Path(root_or_index))
+    _check_layout(fmt, layout, args)
+    blobs = torch.empty(args.n_routed_experts, layout.blob_bytes, dtype=torch.uint8)
+    with SourceReader(index) as reader:
+        for e in range(args.n_routed_experts):
+            pack_expert(reader, layer_id, e, fmt, layout, out=blobs[e])
+    return blobs
+
+
+# ---- the manifest and reading a quantized directory -----------------------------------------------------------
+
+@dataclass
+class Manifest:
+    format: str                     # bf16 | fp8 | int4 | nf4
+    group_size: int | None
+    layout: BlobLayout
+    dense_dtype: str                # bf16 | fp8
+    moe_layers: list[int]           # layer ids with blobs in experts.safetensors (MTP layer included)
+    n_experts: int
+    source_hash: str                # sha256 over the source's config.json and safetensors headers
+    dsv3lite_version: str
+    manifest_version: int = MANIFEST_VERSION
+    experts_file: str = EXPERTS_FILE
+
+    def to_json(self) -> dict:
+        return {"manifest_version": self.manifest_version, "dsv3lite_version": self.dsv3lite_version,
+                "format": self.format, "group_size": self.group_size, "dense_dtype": self.dense_dtype,
+                "n_experts": self.n_experts, "moe_layers": list(self.moe_layers), "experts_file": self.experts_file,
+                "source_hash": self.source_hash, "layout": self.layout.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Manifest":
+        layout = BlobLayout.from_json(d["layout"])
+        m = cls(format=str(d["format"]), group_size=None if d["group_size"] is None else int(d["group_size"]),
+                layout=layout, dense_dtype=str(d["dense_dtype"]), moe_layers=[int(i) for i in d["moe_layers"]],
+                n_experts=int(d["n_experts"]), source_hash=str(d["source_hash"]),
+                dsv3lite_version=str(d["dsv3lite_version"]), manifest_version=int(d["manifest_version"]),
+                experts_file=str(d.get("experts_file", EXPERTS_FILE)))
+        if Path(m.experts_file).name != m.experts_file:
+            raise ValueError(f"experts_file must be a file name inside the directory, got {m.experts_file!r}")
+        if m.format != layout.format or m.group_size != layout.group_size:
+            raise ValueError(f"format {m.format}/{m.group_size} disagrees with its layout "
+                             f"{layout.format}/{layout.group_size}")
+        return m
+
+    def expert_format(self) -> ExpertFormat:
+        return format_for_layout(self.layout)
+
+
+def is_quantized_dir(root) -> bool:
+    """True for a directory written by `dsv3lite quantize` (or what is left of one: blobs without a manifest)."""
+    root = Path(root)
+    return (root / MANIFEST).exists() or (root / EXPERTS_FILE).exists()
+
+
+def read_manifest(root) -> Manifest:
+    """The manifest of a quantized directory, checked against its config.json; UserError (one line) when it is
+    missing, damaged or from an incompatible version."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.exists():
+        raise UserError(f"{root} has no {MANIFEST}: not a complete dsv3lite-quantized directory "
+                        f"(quantize it again)")
+    try:
+        d = json.loads(path.read_text())
+        version = d["manifest_version"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"corrupt {path}: {type(e).__name__}: {e} (quantize it again)") from None
+    if version != MANIFEST_VERSION:
+        newer = isinstance(version, int) and version > MANIFEST_VERSION
+        raise UserError(f"{path} has manifest version {version!r}; this dsv3lite reads version {MANIFEST_VERSION}"
+                        + (": upgrade dsv3lite or quantize again" if newer else ": quantize again"))
+    try:
+        m = Manifest.from_json(d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"corrupt {path}: {type(e).__name__}: {e} (quantize it again)") from None
+    args = ModelArgs.from_dir(root)
+    if (m.layout.inter, m.layout.hidden, m.n_experts) != (args.moe_intermediate_size, args.hidden_size,
+                                                          args.n_routed_experts):
+        raise UserError(f"{path} describes {m.n_experts} experts of {m.layout.inter}x{m.layout.hidden}, but "
+                        f"config.json has {args.n_routed_experts} of {args.moe_intermediate_size}x{args.hidden_size}")
+    return m
+
+
+def open_layer_blobs(root, manifest: Manifest, layer_id: int) -> torch.Tensor:
+    """Layer `layer_id`'s blobs as uint8 [n_experts, blob_bytes], mapped from experts.safetensors (no copy:
+    pages are read on first touch; copy-on-write, so the file is never modified)."""
+    path = Path(root) / manifest.experts_file
+    if not path.exists():
+        raise UserError(f"{path} is missing: the quantized directory is incomplete (quantize it again)")
+    span = tensor_spans(path).get(blob_name(layer_id))
+    if span is None:
+        raise UserError(f"{path} has no blobs for layer {layer_id} (it has layers {manifest.moe_layers})")
+    if span.dtype != "U8" or span.shape != (manifest.n_experts, manifest.layout.blob_bytes):
+        raise UserError(f"{blob_name(layer_id)} in {path} is {span.dtype} {list(span.shape)}, expected U8 "
+                        f"[{manifest.n_experts}, {manifest.layout.blob_bytes}] from the manifest")
+    arr = np.memmap(path, dtype=np.uint8, mode="c", offset=span.start, shape=span.shape)
+    return torch.from_numpy(arr)
+
+
+# ---- planning: everything is decided (and every input checked) before anything is written ---------------------
+
+@dataclass
+class DenseEntry:
+    name: str                   # output name = source name
+    dtype: str                  # output safetensors dtype
+    shape: tuple[int, ...]
+    copy: bool                  # bytes copied as they are (FP8 weights and scales with --dense fp8)
+
+
+@dataclass
+class Plan:
+    src: Path
+    dst: Path
+    args: ModelArgs
+    index: CheckpointIndex
+    fmt: ExpertFormat
+    layout: BlobLayout
+    dense: str
+    moe_layers: list[int]
+    dense_entries: list[DenseEntry]
+    source_hash: str
+    expert_src_bytes: int       # source bytes read per expert (for GB/s)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def partial(self) -> Path:
+        dst = Path(os.path.abspath(self.dst))
+        return dst.parent / (dst.name + ".partial")
+
+    def options(self) -> dict:
+        return {"experts": self.fmt.name, "group_size": self.fmt.group_size, "dense": self.dense}
+
+    def dense_file_entries(self):
+        return [(e.name, e.dtype, e.shape) for e in self.dense_entries]
+
+    def experts_file_entries(self):
+        return [(blob_name(i), "U8", (self.args.n_routed_experts, self.layout.blob_bytes)) for i in self.moe_layers]
+
+    def experts_metadata(self) -> dict:
+        return {"dsv3lite": "expert-blobs", "format": self.fmt.name, "blob_bytes": str(self.layout.blob_bytes)}
+
+    def manifest(self) -> Manifest:
+        from .. import __version__
+
+        return Manifest(self.fmt.name, self.fmt.group_size, self.layout, self.dense, list(self.moe_layers),
+                        self.args.n_routed_experts, self.source_hash, __version__)
+
+
+def _check_paths(src: Path, dst: Path) -> None:
+    s, d = src.resolve(), dst.resolve()
+    if d == s:
+        raise UserError("DST must differ from SRC")
+    if s in d.parents:
+        raise UserError(f"DST {dst} is inside SRC {src}: choose a directory outside the source checkpoint")
+    if d in s.parents:
+        raise UserError(f"SRC {src} is inside DST {dst}: choose another DST")
+
+
+def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense: str = "bf16") -> Plan:
+    """Check every input and work out both output headers; reads only config.json and safetensors headers."""
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    if not src.exists():
+        raise UserError(f"source checkpoint not found: {src}")
+    if not src.is_dir():
+        raise UserError(f"SRC must be a checkpoint directory, got a file: {src}")
+    if not (src / "config.json").is_file():
+        raise UserError(f"no config.json in {src}: not an HF checkpoint directory")
+    if is_quantized_dir(src):
+        raise UserError(f"{src} is already dsv3lite-quantized: quantize reads HF checkpoints")
+    if not Path(os.path.abspath(dst)).name:
+        raise UserError(f"DST must name a directory to create, got {dst}")
+    _check_paths(src, dst)
+    if dense not in ("bf16", "fp8"):
+        raise UserError(f"unknown dense dtype {dense!r}: use bf16 or fp8")
+    fmt = get_format(experts, group_size)
+    if fmt.name == "nf4":
+        from .nf4 import _bnb
+        _bnb()                                   # fail now, not after the dense weights are written
+    args = ModelArgs.from_dir(src)
+    index = CheckpointIndex.open(src)
+    layout = fmt.layout(args.moe_intermediate_size, args.hidden_size)
+
+    digest = hashlib.sha256((src / "config.json").read_bytes())
+    meta: dict[str, dict] = {}
+    for shard in index.shards():
+        header = read_header(shard)
+        digest.update(f"\0{shard.name}\0{shard.stat().st_size}\0".encode())
+        digest.update(json.dumps(header, sort_keys=True).encode())
+        meta.update({n: v for n, v in header.items() if index.files.get(n) == shard})
+    for name in index.files:
+        if name not in meta:
+            raise UserError(f"the checkpoint index names {name}, but {index.files[name].name} does not hold it")
+
+    with_mtp, notice = mtp_status(index, args)
+    moe_layers = args.moe_layer_ids + ([args.mtp_layer_id] if with_mtp else [])
+    expert_bytes = _check_experts(meta, args, layout, moe_layers)
+    entries = _dense_entries(meta, args, dense)
+    if dense == "fp8" and not any(e.dtype == "F8_E4M3" for e in entries):
+        raise UserError(f"--dense fp8 keeps an FP8 checkpoint's FP8 weights, but {src} has none "
+                        f"(it is not an FP8 checkpoint): use --dense bf16")
+    notes = [f"note: {src} has no MTP layer (model.layers.{args.mtp_layer_id}.*), so the output has none"] \
+        if notice else []
+    return Plan(src, dst, args, index, fmt, layout, dense, moe_layers, entries, "sha256:" + digest.hexdigest(),
+                expert_bytes, notes)
+
+
+def _check_experts(meta: dict, args: ModelArgs, layout: BlobLayout, moe_layers: list[int]) -> int:
+    """Every routed expert tensor present with the config's shape; returns the source bytes of one expert."""
+    per_expert = None
+    for layer in moe_layers:
+        for e in range(args.n_routed_experts):
+            nbytes = 0
+            for proj, m in zip(PROJECTIONS, MATRICES):
+                name = expert_tensor_name(layer, e, proj)
+                v = meta.get(name)
+                if v is None:
+                    raise UserError(f"checkpoint is missing tensor {name}")
+                shape = layout.matrix_shape(m)
+                if tuple(v["shape"]) != shape:
+                    raise UserError(f"tensor {name} has shape {tuple(v['shape'])}, expected {shape} from config.json")
+                if v["dtype"] not in SOURCE_FLOAT_DTYPES:
+                    raise UserError(f"tensor {name} has dtype {v['dtype']}; expected one of "
+                                    f"{', '.join(SOURCE_FLOAT_DTYPES)}")
+                nbytes += entry_nbytes(v["dtype"], v["shape"])
+                if v["dtype"] == "F8_E4M3":
+                    s = meta.get(name + "_scale_inv")
+                    if s is None:
+                        raise UserError(f"FP8 tensor {name} has no {name}_scale_inv")
+                    nbytes += entry_nbytes(s["dtype"], s["shape"])
+            per_expert = nbytes if per_expert is None else per_expert
+    return per_expert or 0
+
+
+def _dense_entries(meta: dict, args: ModelArgs, dense: str) -> list[DenseEntry]:
+    out = []
+    for name in sorted(meta, key=_natural_key):
+        if name.endswith("_scale_inv"):
+            continue
+        target = map_name(name, args)
+        if target is None or target.expert is not None:
+            continue                              # routed experts, MTP copies of embed/head, unused tensors
+        v = meta[name]
+        shape = tuple(v["shape"])
+        if dense == "fp8" and v["dtype"] == "F8_E4M3":
+            out.append(DenseEntry(name, "F8_E4M3", shape, copy=True))
+            scale = meta.get(name + "_scale_inv")
+            if scale is None:
+                raise UserError(f"FP8 tensor {name} has no {name}_scale_inv")
+            out.append(DenseEntry(name + "_scale_inv", scale["dtype"], tuple(scale["shape"]), copy=True))
+        else:
+            dtype = "F32" if name.endswith(_ROUTER_SUFFIXES) else "BF16"
+            out.append(DenseEntry(name, dtype, shape, copy=False))
+    return out
+
+
+# ---- the quantize command -------------------------------------------------------------------------------------
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, dense: str = "bf16",
+                        force: bool = False, resume: bool = False, progress: bool = True, log=None) -> Path:
+    """Write HF checkpoint `src` to `dst` with routed experts as expert-major blobs (see the module docstring).
+
+    Refuses an existing DST unless `force` (and never removes a directory it did not write); `resume` continues
+    DST.partial/ after its last finished layer. Ctrl-C raises QuantizeInterrupted (a UserError) with one line.
+    """
+    log = log or _stderr
+    t_start = time.perf_counter()
+    plan = plan_quantize(src, dst, experts, group_size, dense)
+    state = _prepare_dirs(plan, force, resume, log)
+    for note in plan.notes:
+        log(note)
+    n_layers, n_experts = len(plan.moe_layers), plan.args.n_routed_experts
+    try:
+        for name in SIDE_FILES:
+            if (plan.src / name).is_file():
+                shutil.copyfile(plan.src / name, plan.partial / name)
+        with SourceReader(plan.index) as reader:
+            if not state["dense_done"]:
+                _write_dense(plan, reader, progress)
+                state["dense_done"] = True
+                _save_progress(plan.partial, state)
+            _write_experts(plan, reader, state, progress, log)
+    except KeyboardInterrupt:
+        done = len(state["layers_done"])
+        raise QuantizeInterrupted(f"interrupted with {done} of {n_layers} MoE layers done in {plan.partial}: "
+                                  f"run the same command with --resume to continue") from None
+    _atomic_write(plan.partial / MANIFEST, json.dumps(plan.manifest().to_json(), indent=2) + "\n")
+    _finish(plan)
+    dense_bytes = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
+    log(f"wrote {plan.dst}: {n_layers} MoE layers x {n_experts} experts as {_describe(plan.fmt.name, plan.fmt.group_size)} "
+        f"({format_bytes(n_layers * n_experts * plan.layout.blob_bytes)}), dense {plan.dense} "
+        f"({format_bytes(dense_bytes)}), in {time.perf_counter() - t_start:.1f}s")
+    return plan.dst
+
+
+def _only_ours(path: Path) -> bool:
+    """A real directory holding nothing but files quantize writes (so --force may remove it)."""
+    ours = {MANIFEST, PROGRESS, DENSE_FILE, EXPERTS_FILE, *SIDE_FILES}
+    return (path.is_dir() and not path.is_symlink()
+            and all(p.is_file() and p.name.removesuffix(".tmp") in ours for p in path.iterdir()))
+
+
+def _prepare_dirs(plan: Plan, force: bool, resume: bool, log) -> dict:
+    """Checks DST and DST.partial; returns the progress state (fresh, or the one being resumed)."""
+    dst, partial = plan.dst, plan.partial
+    if dst.exists() or dst.is_symlink():
+        if not force:
+            raise UserError(f"{dst} already exists: pass --force to replace it")
+        if not _only_ours(dst):
+            raise UserError(f"{dst} exists and is not a dsv3lite-quantized directory: not replacing it "
+                            f"(remove it yourself or choose another DST)")
+    if resume:
+        if not partial.is_dir():
+            raise UserError(f"nothing to resume: {partial} does not exist (run without --resume)")
+        state = _load_progress(partial)
+        if state.get("source_hash") != plan.source_hash:
+            raise UserError(f"cannot resume {partial}: the source checkpoint changed since it was started; "
+                            f"start over with --force")
+        if state.get("options") != plan.options():
+            o = state.get("options") or {}
+            raise UserError(f"cannot resume {partial}: it was started with --experts {o.get('experts')} "
+                            f"(group {o.get('group_size')}) --dense {o.get('dense')}; rerun with those or "
+                            f"start over with --force")
+        TensorFileWriter.reopen(partial / DENSE_FILE, plan.dense_file_entries(), {"format": "pt"}).close()
+        TensorFileWriter.reopen(partial / EXPERTS_FILE, plan.experts_file_entries(), plan.experts_metadata()).close()
+        log(f"resuming {partial}: {len(state['layers_done'])} of {len(plan.moe_layers)} MoE layers done"
+            + ("" if state["dense_done"] else ", dense weights to write"))
+        return state
+    if partial.exists() or partial.is_symlink():
+        if not force:
+            raise UserError(f"{partial} holds an interrupted run: add --resume to continue it or --force to "
+                            f"start over")
+        if not _only_ours(partial):
+            raise UserError(f"{partial} is not a dsv3lite work directory: not removing it")
+        shutil.rmtree(partial)
+    dense_bytes = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
+    expert_bytes = len(plan.moe_layers) * plan.args.n_routed_experts * plan.layout.blob_bytes
+    parent = partial.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(parent).free
+    if dense_bytes + expert_bytes > free:
+        raise UserError(f"not enough disk space in {parent}: the output needs "
+                        f"{format_bytes(dense_bytes + expert_bytes)}, {format_bytes(free)} is free")
+    partial.mkdir()
+    TensorFileWriter.create(partial / DENSE_FILE, plan.dense_file_entries(), {"format": "pt"}).close()
+    TensorFileWriter.create(partial / EXPERTS_FILE, plan.experts_file_entries(), plan.experts_metadata()).close()
+    state = {"version": 1, "source_hash": plan.source_hash, "options": plan.options(), "dense_done": False,
+             "layers_done": []}
+    _save_progress(partial, state)
+    log(f"quantizing {plan.src} -> {plan.dst}: {len(plan.moe_layers)} MoE layers x {plan.args.n_routed_experts} "
+        f"experts as {_describe(plan.fmt.name, plan.fmt.group_size)} ({format_bytes(plan.layout.blob_bytes)} "
+        f"per expert), dense {plan.dense}")
+    return state
+
+
+def _write_dense(plan: Plan, reader: SourceReader, progress: bool) -> None:
+    from tqdm import tqdm
+
+    total = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
+    with TensorFileWriter.reopen(plan.partial / DENSE_FILE, plan.dense_file_entries(), {"format": "pt"}) as out, \
+            tqdm(total=total, desc="dense weights", unit="B", unit_scale=True, file=sys.stderr,
+                 disable=not progress or None, leave=False) as bar:
+        for e in plan.dense_entries:
+            if e.copy:
+                t = reader.get(e.name)
+            else:
+                w, s = reader.weight(e.name, e.shape)
+                t = (w if s is None else fp8_block_dequant(w, s, torch.bfloat16)).to(DTYPES[e.dtype])
+            out.write(e.name, t)
+            bar.update(entry_nbytes(e.dtype, e.shape))
+            del t
+        out.sync()
+
+
+def _write_experts(plan: Plan, reader: SourceReader, state: dict, progress: bool, log) -> None:
+    from tqdm import tqdm
+
+    n_experts = plan.args.n_routed_experts
+    todo = [i for i in plan.moe_layers if i not in state["layers_done"]]
+    pause_after = int(os.environ.get(PAUSE_ENV) or -1)
+    blob = torch.empty(plan.layout.blob_bytes, dtype=torch.uint8)
+    t0, done_bytes = time.perf_counter(), 0
+    with TensorFileWriter.reopen(plan.partial / EXPERTS_FILE, plan.experts_file_entries(),
+                                 plan.experts_metadata()) as out, \
+            tqdm(total=len(plan.moe_layers) * n_experts, initial=len(state["layers_done"]) * n_experts,
+                 desc=f"{plan.fmt.name} experts", unit="expert", file=sys.stderr, dynamic_ncols=True,
+                 disable=not progress or None) as bar:
+        for layer in todo:
+            for e in range(n_experts):
+                pack_expert(reader, layer, e, plan.fmt, plan.layout, out=blob)
+                out.write_row(blob_name(layer), e, blob)
+                done_bytes += plan.expert_src_bytes
+                bar.set_postfix_str(f"layer {layer}, {done_bytes / (time.perf_counter() - t0) / 1e9:.2f} GB/s",
+                                    refresh=False)
+                bar.update(1)
+            out.sync()                            # the layer is on disk before progress.json says so
+            state["layers_done"].append(layer)
+            _save_progress(plan.partial, state)
+            if progress and not sys.stderr.isatty():  # no bar in a log file: one line per layer instead
+                k, rate = len(state["layers_done"]), done_bytes / (time.perf_counter() - t0)
+                eta = (len(plan.moe_layers) - k) * n_experts * plan.expert_src_bytes / rate
+                log(f"layer {layer} done ({k}/{len(plan.moe_layers)}), {rate / 1e9:.2f} GB/s, ETA {eta / 60:.0f} min")
+            if len(state["layers_done"]) == pause_after:
+                log(f"{PAUSE_ENV}: paused after {pause_after} layer(s)")
+                time.sleep(3600)
+
+
+def _finish(plan: Plan) -> None:
+    """DST.partial -> DST (an existing DST that --force replaces goes only now, once the new one is complete)."""
+    if plan.dst.exists():
+        shutil.rmtree(plan.dst)
+    os.replace(plan.partial, plan.dst)
+    (plan.dst / PROGRESS).unlink(missing_ok=True)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_progress(partial: Path, state: dict) -> None:
+    _atomic_write(partial / PROGRESS, json.dumps(state, indent=1) + "\n")
+
+
+def _load_progress(partial: Path) -> dict:
+    path = partial / PROGRESS
+    try:
+        state = json.loads(path.read_text())
+        if not (isinstance(state.get("layers_done"), list) and isinstance(state.get("dense_done"), bool)):
+            raise ValueError("unexpected content")
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"cannot resume: {path} is missing or damaged ({e}); start over with --force") from None
+    return state
