@@ -8,9 +8,11 @@ __version__ = "0.1.0"
 DEMO_DIR = Path(__file__).parent / "demo"
 
 
-def load(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int = 4096, mtp: bool = True,
+def load(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | None = None, mtp: bool = True,
          experts=None, cpu_mem=None, progress: bool = True, log=None, **options):
     """Load a checkpoint (None -> the bundled demo model) and return an Engine.
+
+    ctx_size None means 4096 tokens, or the model's max_position_embeddings when that is smaller.
 
     llm.generate(prompt, ...), llm.chat(messages, ...), llm.forward(ids), llm.tokenizer, llm.stats().
     """

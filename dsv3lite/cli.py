@@ -49,8 +49,8 @@ def engine_options(fn):
                      help="Hard cap on GPU bytes (80G = 80 GiB, 80GB = 80e9, or auto). On CPU it turns on the "
                           "simulated device tier with this budget."),
         click.option("--cpu-mem", type=SIZE, default=None, help="Cap on pinned host memory for expert blobs."),
-        click.option("--ctx-size", "-c", type=click.IntRange(min=2), default=4096, show_default=True,
-                     help="Context length (tokens) of the latent cache."),
+        click.option("--ctx-size", "-c", type=click.IntRange(min=2), default=None,
+                     help="Context length (tokens) of the latent cache.  [default: 4096, or the model's limit]"),
         click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=256, show_default=True,
                      help="Most tokens to generate per reply."),
         click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -299,7 +299,8 @@ def quantize(src, dst, experts, group_size, dense, force, resume):
 @cli.command()
 @click.option("--weights", "-w", type=click.Path(), default=None, help="Checkpoint directory (default: demo model).")
 @click.option("--gpu-mem", type=SIZE, required=True, help="Device budget to plan for (80G = 80 GiB).")
-@click.option("--ctx-size", "-c", type=click.IntRange(min=2), default=4096, show_default=True)
+@click.option("--ctx-size", "-c", type=click.IntRange(min=2), default=None,
+              help="Context length (tokens).  [default: 4096, or the model's limit]")
 @click.option("--experts", type=click.Choice(["int4", "fp8", "nf4", "bf16"]), default=None,
               help="Expert format (default: the checkpoint's own).")
 @click.option("--dtype", default="bfloat16", show_default=True, help="Compute dtype of the resident weights.")
@@ -310,11 +311,13 @@ def plan(weights, gpu_mem, ctx_size, experts, dtype, mtp):
 
     from .config import ModelArgs
     from .offload.setup import plan_for
-    from .runtime import resolve_weights
+    from .runtime import DEFAULT_CTX_SIZE, resolve_weights
     from .utils import resolve_dtype
 
     root = resolve_weights(weights)
     args = ModelArgs.from_dir(root)
+    if ctx_size is None:
+        ctx_size = min(DEFAULT_CTX_SIZE, args.max_position_embeddings)
     if gpu_mem == "auto":
         raise UserError("plan needs an explicit --gpu-mem size")
     p, *_ = plan_for(root, args, gpu_mem, ctx_size, experts, mtp, resolve_dtype(dtype, torch.device("cuda")))

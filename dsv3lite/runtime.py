@@ -12,6 +12,9 @@ from .errors import UserError
 from .utils import format_bytes, parse_size, resolve_device, resolve_dtype
 
 
+DEFAULT_CTX_SIZE = 4096
+
+
 def resolve_weights(weights) -> Path:
     from . import DEMO_DIR
 
@@ -53,7 +56,7 @@ def expert_provider(root: Path, args: ModelArgs, experts: str | None, device: to
     return lambda layer: BlobExperts(quantize_layer_from_hf(index, args, layer, fmt, layout).to(device), fmt, layout)
 
 
-def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int = 4096, mtp: bool = True,
+def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | None = None, mtp: bool = True,
                  experts=None, cpu_mem=None, progress: bool = True, log=None, **options):
     from .generate import Engine
     from .loader import Loader
@@ -64,6 +67,8 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     args = ModelArgs.from_dir(root)
+    if ctx_size is None:                       # the default: 4096, or less when the model is shorter
+        ctx_size = min(DEFAULT_CTX_SIZE, args.max_position_embeddings)
     ctx_size = int(ctx_size)
     if ctx_size < 2:
         raise UserError(f"--ctx-size must be at least 2, got {ctx_size}")

@@ -37,3 +37,12 @@ def test_kernels_with_offloaded_experts(monkeypatch, v3_dir):
     ref_tokens, _ = run(v3_dir, monkeypatch, False, experts="int4", gpu_mem=budget, miss_policy="cpu")
     got_tokens, _ = run(v3_dir, monkeypatch, True, experts="int4", gpu_mem=budget, miss_policy="cpu")
     assert got_tokens == ref_tokens
+
+
+def test_kernels_give_the_twins_tokens_on_the_demo_model(monkeypatch):
+    from dsv3lite import DEMO_DIR
+
+    ref_tokens, ref_logits = run(DEMO_DIR, monkeypatch, False, experts="int4")
+    got_tokens, got_logits = run(DEMO_DIR, monkeypatch, True, experts="int4")
+    assert got_tokens == ref_tokens
+    torch.testing.assert_close(got_logits, ref_logits, atol=2e-3, rtol=2e-3)

@@ -105,6 +105,6 @@ def make_plan(a: ModelArgs, budget: int, ctx_size: int, slot_bytes: int, expert_
         raise UserError(
             f"--gpu-mem {format_bytes(budget)} is too small: the resident set needs {format_bytes(plan.resident)} "
             f"(largest: {biggest[0]} {format_bytes(biggest[1])}, KV cache for --ctx-size {ctx_size} "
-            f"{format_bytes(kv)}) plus {min_slots} expert slots of {format_bytes(slot_bytes)}; minimum --gpu-mem is "
+            f"{format_bytes(kv)}, workspace {format_bytes(plan.workspace)}) plus {min_slots} expert slots of {format_bytes(slot_bytes)}; minimum --gpu-mem is "
             f"{format_bytes(need)} (or lower --ctx-size, use a smaller --experts format, or --no-mtp)")
     return plan
