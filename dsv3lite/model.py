@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs
+from .kernels.dispatch import use_kernels
 from .kernels.mla_decode import mla_decode_auto
 
 # q_a_layernorm / kv_a_layernorm use 1e-6 whatever the config says (as the hub code and transformers do)
@@ -27,10 +28,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # statistics in fp32, normalised value rounded to the input dtype, then the weight multiply
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # statistics in fp32, normalised value rounded to the input dtype, then the weight multiply; the fused
+        # rms_norm gives the same bits as x * rsqrt(mean(x^2) + eps) spelled out (checked in test_model_parity)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 # --- rotary embedding ---------------------------------------------------------------------------------
@@ -169,12 +169,31 @@ class MLA(nn.Module):
         """Attention over the latent cache itself: q_nope is folded into W_UK, V is the latent (decode)."""
         a = self.args
         bsz, seqlen, _, _ = q_nope.shape
+        h = self.n_heads
         w_uk, w_uv = self.absorbed_weights()
-        q_abs = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
+        # q_abs[b, s, h] = q_nope[b, s, h] @ W_UK[h], as one batched matmul over heads
+        q_abs = torch.matmul(q_nope.reshape(bsz * seqlen, h, 1, -1).transpose(0, 1), w_uk[:, None])
+        q_abs = q_abs.transpose(0, 1).reshape(bsz, seqlen, h, a.kv_lora_rank)
         q = torch.cat([q_abs, q_pe], dim=-1)                             # [B, S, H, kv_lora + dr]
-        seqlens = torch.full((bsz,), kv.shape[1], dtype=torch.int32, device=kv.device)
-        out_latent, _ = mla_decode_auto(q, kv, seqlens, a.softmax_scale, a.kv_lora_rank)
-        return torch.einsum("bshc,hdc->bshd", out_latent, w_uv)
+        if bsz == 1 and not use_kernels(kv.device):
+            out_latent = latent_attention(q[0], kv[0], a.softmax_scale, a.kv_lora_rank)[None]
+        else:
+            seqlens = torch.full((bsz,), kv.shape[1], dtype=torch.int32, device=kv.device)
+            out_latent, _ = mla_decode_auto(q, kv, seqlens, a.softmax_scale, a.kv_lora_rank)
+        # out[b, s, h] = out_latent[b, s, h] @ W_UV[h]^T
+        out = torch.matmul(out_latent.reshape(bsz * seqlen, h, 1, -1).transpose(0, 1), w_uv.transpose(1, 2)[:, None])
+        return out.transpose(0, 1).reshape(bsz, seqlen, h, a.v_head_dim)
+
+
+def latent_attention(q: torch.Tensor, keys: torch.Tensor, softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """One sequence's absorbed attention in a few operators (the CPU decode path; mla_decode_ref computes the
+    same plus the log-sum-exp): q [Sq, H, kv_lora + dr] over keys [T, kv_lora + dr] whose first kv_lora_rank
+    values are also the values; the Sq queries are the last Sq positions (bottom-right causal)."""
+    sq = q.shape[0]
+    scores = torch.matmul(q.float(), keys.float().T) * softmax_scale       # [Sq, H, T]
+    if sq > 1:
+        scores.masked_fill_(~causal_mask(sq, keys.shape[0], q.device)[:, None, :], float("-inf"))
+    return torch.matmul(scores.softmax(-1), keys[:, :kv_lora_rank].float()).to(q.dtype)
 
 
 def causal_mask(seqlen: int, total: int, device) -> torch.Tensor:
@@ -253,7 +272,20 @@ class RoutedExperts(nn.Module):
         return F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return self._one_token(x, ids, weights)
         return combine_experts(self.expert, x, ids, weights)
+
+    def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Decode of one token: the chosen experts in ascending id, each weighted output rounded to x.dtype and
+        added, as combine_experts does (same operators per expert, so the same bits) without its grouping."""
+        ids_sorted, order = ids[0].sort()
+        w = weights[0, order, None]
+        out = None
+        for j, e in enumerate(ids_sorted.tolist()):
+            t = (self.expert(e, x) * w[j]).to(x.dtype)
+            out = t if out is None else out + t
+        return out
 
 
 def combine_experts(expert_fn, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -374,7 +406,7 @@ class Transformer(nn.Module):
                absorb: bool = False) -> torch.Tensor:
         """tokens [B, S] -> final-normed hidden [B, S, D]. cache: [n_layers(+1), B, Tmax, latent] or None."""
         h = self.embed(tokens)
-        cos, sin = self.rotary(start, tokens.shape[1], h.device)
+        cos, sin = (t.to(h.dtype) for t in self.rotary(start, tokens.shape[1], h.device))
         hook = self.layer_hook
         for i, layer in enumerate(self.layers):
             h = layer.attention(h, start, cos, sin, None if cache is None else cache[i], absorb)
@@ -391,7 +423,7 @@ class Transformer(nn.Module):
     def mtp_hidden(self, hidden: torch.Tensor, next_tokens: torch.Tensor, start: int = 0,
                    cache: torch.Tensor | None = None, absorb: bool = False) -> torch.Tensor:
         """MTP pass over pairs (hidden_i, t_{i+1}) at positions start..; cache: the MTP layer's own [B, Tmax, latent]."""
-        cos, sin = self.rotary(start, next_tokens.shape[1], hidden.device)
+        cos, sin = (t.to(hidden.dtype) for t in self.rotary(start, next_tokens.shape[1], hidden.device))
         return self.mtp(self.embed(next_tokens), hidden, start, cos, sin, cache, absorb)
 
 

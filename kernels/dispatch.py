@@ -29,10 +29,13 @@ def triton_available() -> bool:
 
 def use_kernels(device: torch.device | str) -> bool:
     """Whether tensors on `device` go through the Triton kernels rather than the `*_ref` twins."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cpu" and not interpreted():           # the common CPU case, decided without the rest
+        return False
     mode = os.environ.get("DSV3LITE_KERNELS", "").strip().lower()
     if not triton_available() or mode == "ref":
         return False
-    if torch.device(device).type == "cuda":
+    if kind == "cuda":
         return True
     return interpreted() and mode == "triton"
 

@@ -115,3 +115,17 @@ def test_greedy_generation_matches_transformers(ckpt_factory, variant):
     llm.stop_ids = set()                      # compare all 32 tokens, as transformers runs without EOS here
     got = [c.token_id for c in llm.generate(prompt, max_tokens=32)]
     assert got == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_gives_the_bits_of_the_spelled_out_formula(dtype):
+    from dsv3lite.model import RMSNorm
+
+    norm = RMSNorm(384, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(384, generator=torch.Generator().manual_seed(1)))
+    norm = norm.to(dtype)
+    x = (3 * torch.randn(2, 7, 384, generator=torch.Generator().manual_seed(0))).to(dtype)
+    h = x.float()
+    expected = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(norm(x), expected)
