@@ -3,8 +3,9 @@
     python benchmarks/cpu_decode.py                       # the bundled demo model
     python benchmarks/cpu_decode.py --weights DIR --tokens 128 --rounds 3
 
-Prints prefill and decode tok/s of each and the ratio (dsv3lite / transformers). Both sides run fp32
-with MTP off, so they do the same work per token.
+Prints prefill and decode tok/s of each and the ratio (dsv3lite / transformers). The main rows run fp32
+with MTP off on both sides, so they do the same work per token; a last row adds dsv3lite as users run it
+(MTP drafting on, its default, when the checkpoint has an MTP layer; greedy output is the same).
 """
 from __future__ import annotations
 
@@ -56,16 +57,21 @@ def main():
 
     llm = dsv3lite.load(args.weights, device="cpu", dtype="float32", mtp=False, ctx_size=4096, progress=False)
     llm.stop_ids = set()
+    spec = dsv3lite.load(args.weights, device="cpu", dtype="float32", mtp=True, ctx_size=4096, progress=False,
+                         log=lambda m: None)
+    spec.stop_ids = set()
     hf = AutoModelForCausalLM.from_pretrained(llm.weights, dtype=torch.float32).eval()
     text = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. " * 8
     prompt = llm.tokenizer.encode(text, add_bos=True)[: args.prompt_tokens]
 
     run_dsv3lite(llm, prompt, 8)                              # warm-up both
     run_transformers(hf, prompt, 8)
-    ours, theirs = [], []
-    for _ in range(args.rounds):                             # alternate so drift hits both alike
+    run_dsv3lite(spec, prompt, 8)
+    ours, theirs, mtp = [], [], []
+    for _ in range(args.rounds):                             # alternate so drift hits all alike
         ours.append(run_dsv3lite(llm, prompt, args.tokens))
         theirs.append(run_transformers(hf, prompt, args.tokens))
+        mtp.append(run_dsv3lite(spec, prompt, args.tokens))
     med = lambda rows, i: statistics.median(r[i] for r in rows)
     print(f"# CPU decode: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, weights {llm.weights}")
@@ -75,6 +81,9 @@ def main():
     print(f"| dsv3lite | {med(ours, 0):.1f} | {med(ours, 1):.1f} |")
     print(f"| transformers | {med(theirs, 0):.1f} | {med(theirs, 1):.1f} |")
     print(f"| ratio | {med(ours, 0) / med(theirs, 0):.2f}x | {med(ours, 1) / med(theirs, 1):.2f}x |")
+    if spec.mtp_enabled:
+        print(f"| dsv3lite, MTP on (default) | {med(mtp, 0):.1f} | {med(mtp, 1):.1f} |")
+        print(f"| ratio, MTP on | {med(mtp, 0) / med(theirs, 0):.2f}x | {med(mtp, 1) / med(theirs, 1):.2f}x |")
 
 
 if __name__ == "__main__":

@@ -259,6 +259,9 @@ class Gate(nn.Module):
         return weights * self.args.routed_scaling_factor, ids, scores
 
 
+FEW_TOKENS = 4      # up to this many tokens (MTP verification), RoutedExperts batches all (token, expert) pairs
+
+
 class RoutedExperts(nn.Module):
     """All routed experts of one layer, resident and dense: w1/w3 [E, I, D], w2 [E, D, I]."""
 
@@ -274,7 +277,14 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1:
             return self._one_token(x, ids, weights)
+        if x.shape[0] <= FEW_TOKENS:
+            return self._few_tokens(x, ids, weights)
         return combine_experts(self.expert, x, ids, weights)
+
+    def _few_tokens(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A few tokens (MTP verification): each token as in `_one_token`, so a verified position gets the bits
+        a plain decode step would give it."""
+        return torch.cat([self._one_token(x[i:i + 1], ids[i:i + 1], weights[i:i + 1]) for i in range(x.shape[0])])
 
     def _one_token(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Decode of one token: the chosen experts in ascending id, each weighted output rounded to x.dtype and
