@@ -81,3 +81,13 @@ def test_unknown_policy_is_a_user_error():
     with pytest.raises(UserError):
         make_policy("random")
     assert isinstance(make_policy("lru"), LRU)
+
+
+def test_decayed_lfu_evicts_the_layer_needed_last():
+    p = DecayedLFU()
+    for layer in (1, 2, 3, 4):                  # one decode step: layers 1..4 in order, one expert each
+        p.touch((layer, 0), 0)
+    # equal frequency: after layer 4, layer 1 comes next and layer 3 last (before 4 itself)
+    assert p.victim([(1, 0), (2, 0), (3, 0)], 0) == (3, 0)
+    p.touch((1, 0), 0)                          # now layer 1 was just used: it is needed last
+    assert p.victim([(1, 0), (2, 0), (3, 0)], 0) == (1, 0)

@@ -75,25 +75,36 @@ class LFU(Policy):
 
 
 class DecayedLFU(Policy):
-    """Frequency with exponential aging: score = sum over uses of 0.5 ** ((now - t_use) / half_life).
+    """Frequency with fast exponential aging, discounted by how far ahead the key's layer is in the layer cycle.
 
-    Keeps long-run popular experts (like LFU) but lets a topic change age old popularity out (like LRU).
+    freq = sum over uses of 0.5 ** ((now - t_use) / half_life), `now` counting decode steps. Decode visits the
+    MoE layers in order every token, so a key of the layer just used is needed again only after every other
+    layer: score = freq / (1 + layer_discount * r / n), where r is the number of layers visited before the
+    key's layer comes round again (0 for the next layer) and n the number of layers seen. Defaults measured on
+    demo-model traces (benchmarks/cache_sim.py): fewer loads than LRU at every cache size from 10% to 50%,
+    where plain frequency (long half-life, no layer term) lost to LRU below 25% on the demo's evenly balanced
+    experts.
     """
     name = "decayed-lfu"
 
-    def __init__(self, half_life: float = 32.0):
+    def __init__(self, half_life: float = 2.0, layer_discount: float = 16.0):
         self.rate = math.log(2) / half_life
+        self.layer_discount = layer_discount
         self.value: dict[Key, tuple[float, int]] = {}     # key -> (score at step t, t)
+        self.layer = 0                                     # layer of the latest use
+        self.n_layers = 1
 
     def _at(self, key, now) -> float:
         v, t = self.value.get(key, (0.0, now))
         return v * math.exp(-self.rate * (now - t))
 
     def touch(self, key, now):
+        self.layer, self.n_layers = key[0], max(self.n_layers, key[0] + 1)
         self.value[key] = (self._at(key, now) + 1.0, now)
 
     def score(self, key, now):
-        return self._at(key, now)
+        ahead = (key[0] - self.layer - 1) % self.n_layers
+        return self._at(key, now) / (1.0 + self.layer_discount * ahead / self.n_layers)
 
     def seed(self, counts, now):
         for k, c in counts.items():
