@@ -123,3 +123,16 @@ def test_offloaded_demo_streams_the_same_tokens(plain_tokens, miss):
     assert greedy(llm) == plain_tokens
     s = llm.stats()["expert_cache"]
     assert s["demand_misses"] > 0 and 0 < s["hit_rate"] < 1
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_offloaded_demo_with_mtp_streams_the_same_tokens(plain_tokens, k):
+    from dsv3lite.testing import offload_budget
+
+    slots = ModelArgs.from_dir(DEMO_DIR).n_routed_experts + 8      # of 6 x 32 (MTP layer's experts included)
+    llm = dsv3lite.load(device="cpu", mtp=True, mtp_adaptive=False, num_draft_tokens=k, experts="bf16",
+                        ctx_size=512, gpu_mem=offload_budget(DEMO_DIR, slots, "bf16", ctx=512, mtp=True), **QUIET)
+    assert llm.offload is not None and llm.offload.cache.n_slots == slots
+    assert greedy(llm) == plain_tokens
+    assert llm.stats()["mtp"]["tokens_per_forward"] > 1.2
+    assert llm.stats()["expert_cache"]["demand_misses"] > 0
