@@ -21,6 +21,12 @@ from .kernels.mla_decode import mla_decode_auto
 _LATENT_NORM_EPS = 1e-6
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`; skips the (no-op, but dispatched) conversion when it already is: decode steps on a tiny
+    model are bound by the number of operators."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -30,7 +36,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # statistics in fp32, normalised value rounded to the input dtype, then the weight multiply; the fused
         # rms_norm gives the same bits as x * rsqrt(mean(x^2) + eps) spelled out (checked in test_model_parity)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * as_dtype(F.rms_norm(as_dtype(x, torch.float32), (x.shape[-1],), eps=self.eps), x.dtype)
 
 
 # --- rotary embedding ---------------------------------------------------------------------------------
@@ -55,7 +61,9 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """cos/sin tables [positions, rope_dim / 2] in fp32, grown on demand; not part of the checkpoint."""
+    """RoPE tables [positions, rope_dim] in fp32, grown on demand; not part of the checkpoint. For the pair
+    angles theta_i they hold cos = [cos theta | cos theta] and sin = [-sin theta | sin theta], the form
+    `apply_rope` uses on de-interleaved [evens | odds] vectors."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -68,8 +76,8 @@ class Rotary(nn.Module):
             n = max(end, 256 if self.cos is None else 2 * self.cos.shape[0])
             inv = rope_inv_freq(self.args).to(device)
             angles = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv
-            self.cos = angles.cos() * self.args.cos_sin_scale
-            self.sin = angles.sin() * self.args.cos_sin_scale
+            cos, sin = angles.cos() * self.args.cos_sin_scale, angles.sin() * self.args.cos_sin_scale
+            self.cos, self.sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
         return self.cos, self.sin
 
     def forward(self, start: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,19 +86,16 @@ class Rotary(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True) -> torch.Tensor:
-    """Rotate x [B, S, (H,) rope_dim] at the positions of cos/sin [S, rope_dim / 2], in x's dtype (as transformers).
+    """Rotate x [..., rope_dim] by the tables of `Rotary` (broadcast against x), in x's dtype (as transformers).
 
     interleave=True: the checkpoint pairs adjacent dims (2i, 2i+1); the result is laid out de-interleaved
     [rotated evens | rotated odds]. q and k get the same permutation, so their dot products are unchanged.
-    interleave=False: NeoX halves.
+    interleave=False: NeoX halves. With x = [a | b], the result is [a cos - b sin | b cos + a sin], computed
+    as x * cos + swap_halves(x) * sin with sin = [-sin | sin] (the same bits: negation is exact).
     """
-    c, s = (cos[:, None, :], sin[:, None, :]) if x.dim() == 4 else (cos, sin)
-    c, s = c.to(x.dtype), s.to(x.dtype)
     if interleave:
-        a, b = x[..., 0::2], x[..., 1::2]
-    else:
-        a, b = x.chunk(2, dim=-1)
-    return torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 # --- attention ---------------------------------------------------------------------------------------
@@ -121,10 +126,11 @@ class MLA(nn.Module):
         q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
         q = q.view(bsz, seqlen, self.n_heads, a.qk_head_dim)
         q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        q_pe = apply_rope(q_pe, cos, sin, a.rope_interleave)
+        q_pe = apply_rope(q_pe, cos, sin, a.rope_interleave)                  # cos/sin: [S, 1, dr]
         kv = self.wkv_a(x)
         c, k_pe = kv.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        latent = torch.cat([self.kv_norm(c), apply_rope(k_pe, cos, sin, a.rope_interleave)], dim=-1)
+        k_pe = apply_rope(k_pe[:, :, None], cos, sin, a.rope_interleave)[:, :, 0]
+        latent = torch.cat([self.kv_norm(c), k_pe], dim=-1)
         return q_nope, q_pe, latent
 
     def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -172,7 +178,7 @@ class MLA(nn.Module):
         h = self.n_heads
         w_uk, w_uv = self.absorbed_weights()
         # q_abs[b, s, h] = q_nope[b, s, h] @ W_UK[h], as one batched matmul over heads
-        q_abs = torch.matmul(q_nope.reshape(bsz * seqlen, h, 1, -1).transpose(0, 1), w_uk[:, None])
+        q_abs = torch.bmm(q_nope.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uk)           # [H, BS, c]
         q_abs = q_abs.transpose(0, 1).reshape(bsz, seqlen, h, a.kv_lora_rank)
         q = torch.cat([q_abs, q_pe], dim=-1)                             # [B, S, H, kv_lora + dr]
         if bsz == 1 and not use_kernels(kv.device):
@@ -181,7 +187,7 @@ class MLA(nn.Module):
             seqlens = torch.full((bsz,), kv.shape[1], dtype=torch.int32, device=kv.device)
             out_latent, _ = mla_decode_auto(q, kv, seqlens, a.softmax_scale, a.kv_lora_rank)
         # out[b, s, h] = out_latent[b, s, h] @ W_UV[h]^T
-        out = torch.matmul(out_latent.reshape(bsz * seqlen, h, 1, -1).transpose(0, 1), w_uv.transpose(1, 2)[:, None])
+        out = torch.bmm(out_latent.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uv.transpose(1, 2))  # [H, BS, dv]
         return out.transpose(0, 1).reshape(bsz, seqlen, h, a.v_head_dim)
 
 
@@ -190,10 +196,11 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, softmax_scale: float, 
     same plus the log-sum-exp): q [Sq, H, kv_lora + dr] over keys [T, kv_lora + dr] whose first kv_lora_rank
     values are also the values; the Sq queries are the last Sq positions (bottom-right causal)."""
     sq = q.shape[0]
-    scores = torch.matmul(q.float(), keys.float().T) * softmax_scale       # [Sq, H, T]
+    keys = as_dtype(keys, torch.float32)
+    scores = torch.matmul(as_dtype(q, torch.float32), keys.T) * softmax_scale       # [Sq, H, T]
     if sq > 1:
         scores.masked_fill_(~causal_mask(sq, keys.shape[0], q.device)[:, None, :], float("-inf"))
-    return torch.matmul(scores.softmax(-1), keys[:, :kv_lora_rank].float()).to(q.dtype)
+    return as_dtype(torch.matmul(scores.softmax(-1), keys[:, :kv_lora_rank]), q.dtype)
 
 
 def causal_mask(seqlen: int, total: int, device) -> torch.Tensor:
@@ -231,7 +238,7 @@ class Gate(nn.Module):
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Unbiased routing scores [N, E] in fp32."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(as_dtype(x, torch.float32), as_dtype(self.weight, torch.float32))
         return logits.sigmoid() if self.args.scoring_func == "sigmoid" else logits.softmax(dim=-1)
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
@@ -290,10 +297,9 @@ class RoutedExperts(nn.Module):
         """Decode of one token: the chosen experts in ascending id, each weighted output rounded to x.dtype and
         added, as combine_experts does (same operators per expert, so the same bits) without its grouping."""
         ids_sorted, order = ids[0].sort()
-        w = weights[0, order, None]
         out = None
-        for j, e in enumerate(ids_sorted.tolist()):
-            t = (self.expert(e, x) * w[j]).to(x.dtype)
+        for e, w in zip(ids_sorted.tolist(), weights[0, order, None].unbind(0)):
+            t = as_dtype(self.expert(e, x) * w, x.dtype)
             out = t if out is None else out + t
         return out
 
@@ -416,7 +422,7 @@ class Transformer(nn.Module):
                absorb: bool = False) -> torch.Tensor:
         """tokens [B, S] -> final-normed hidden [B, S, D]. cache: [n_layers(+1), B, Tmax, latent] or None."""
         h = self.embed(tokens)
-        cos, sin = (t.to(h.dtype) for t in self.rotary(start, tokens.shape[1], h.device))
+        cos, sin = (as_dtype(t, h.dtype)[:, None] for t in self.rotary(start, tokens.shape[1], h.device))
         hook = self.layer_hook
         for i, layer in enumerate(self.layers):
             h = layer.attention(h, start, cos, sin, None if cache is None else cache[i], absorb)
@@ -433,7 +439,7 @@ class Transformer(nn.Module):
     def mtp_hidden(self, hidden: torch.Tensor, next_tokens: torch.Tensor, start: int = 0,
                    cache: torch.Tensor | None = None, absorb: bool = False) -> torch.Tensor:
         """MTP pass over pairs (hidden_i, t_{i+1}) at positions start..; cache: the MTP layer's own [B, Tmax, latent]."""
-        cos, sin = (t.to(hidden.dtype) for t in self.rotary(start, next_tokens.shape[1], hidden.device))
+        cos, sin = (as_dtype(t, hidden.dtype)[:, None] for t in self.rotary(start, next_tokens.shape[1], hidden.device))
         return self.mtp(self.embed(next_tokens), hidden, start, cos, sin, cache, absorb)
 
 
