@@ -297,11 +297,24 @@ class RoutedExperts(nn.Module):
         """Decode of one token: the chosen experts in ascending id, each weighted output rounded to x.dtype and
         added, as combine_experts does (same operators per expert, so the same bits) without its grouping."""
         ids_sorted, order = ids[0].sort()
+        w1, w3, w2 = self._per_expert()
         out = None
         for e, w in zip(ids_sorted.tolist(), weights[0, order, None].unbind(0)):
-            t = as_dtype(self.expert(e, x) * w, x.dtype)
+            y = F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e])
+            t = as_dtype(y * w, x.dtype)
             out = t if out is None else out + t
         return out
+
+    def _per_expert(self):
+        """Per-expert views of w1, w3, w2 (lists), kept between inference-mode decode steps so a step does
+        not re-slice them; rebuilt when the parameters change storage, never kept outside inference mode."""
+        if not torch.is_inference_mode_enabled():
+            return self.w1, self.w3, self.w2
+        key = (self.w1.data_ptr(), self.w3.data_ptr(), self.w2.data_ptr(), self.w1.dtype, self.w1.device)
+        if getattr(self, "_views_key", None) != key:
+            self._views = (self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0))
+            self._views_key = key
+        return self._views
 
 
 def combine_experts(expert_fn, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
