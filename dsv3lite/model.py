@@ -22,8 +22,7 @@ _LATENT_NORM_EPS = 1e-6
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in `dtype`; skips the (no-op, but dispatched) conversion when it already is: decode steps on a tiny
-    model are bound by the number of operators."""
+    """x in `dtype`, skipping the no-op (but dispatched) conversion when it already is."""
     return x if x.dtype == dtype else x.to(dtype)
 
 
@@ -181,7 +180,7 @@ class MLA(nn.Module):
         q_abs = torch.bmm(q_nope.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uk)           # [H, BS, c]
         q_abs = q_abs.transpose(0, 1).reshape(bsz, seqlen, h, a.kv_lora_rank)
         q = torch.cat([q_abs, q_pe], dim=-1)                             # [B, S, H, kv_lora + dr]
-        if bsz == 1 and not use_kernels(kv.device):
+        if bsz == 1 and kv.device.type == "cpu" and not use_kernels(kv.device):
             out_latent = latent_attention(q[0], kv[0], a.softmax_scale, a.kv_lora_rank)[None]
         else:
             seqlens = torch.full((bsz,), kv.shape[1], dtype=torch.int32, device=kv.device)
@@ -266,7 +265,7 @@ class Gate(nn.Module):
         return weights * self.args.routed_scaling_factor, ids, scores
 
 
-FEW_TOKENS = 4      # up to this many tokens (MTP verification), RoutedExperts batches all (token, expert) pairs
+FEW_TOKENS = 4      # up to this many tokens (MTP verification), RoutedExperts runs each token as a decode step
 
 
 class RoutedExperts(nn.Module):
@@ -279,7 +278,8 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
+        w1, w3, w2 = self._per_expert()
+        return F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e])
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1:
@@ -297,11 +297,9 @@ class RoutedExperts(nn.Module):
         """Decode of one token: the chosen experts in ascending id, each weighted output rounded to x.dtype and
         added, as combine_experts does (same operators per expert, so the same bits) without its grouping."""
         ids_sorted, order = ids[0].sort()
-        w1, w3, w2 = self._per_expert()
         out = None
         for e, w in zip(ids_sorted.tolist(), weights[0, order, None].unbind(0)):
-            y = F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e])
-            t = as_dtype(y * w, x.dtype)
+            t = as_dtype(self.expert(e, x) * w, x.dtype)
             out = t if out is None else out + t
         return out
 
