@@ -331,3 +331,54 @@ def offload_budget(path, slots: int, experts: str, ctx: int = 160, mtp: bool = T
 
     plan, *_ = plan_for(Path(path), ModelArgs.from_dir(path), 1 << 40, ctx, experts, mtp, torch.float32)
     return plan.resident + slots * plan.slot_bytes
+
+
+def paced(generate, seconds_per_token: float):
+    """Wrap an Engine's generate so it yields at most one chunk per `seconds_per_token` (tests of Stop and of
+    client disconnects then do not depend on how fast the machine decodes). Closing the wrapper closes the
+    inner generation."""
+    import time
+
+    def wrapped(ids, **kw):
+        inner = generate(ids, **kw)
+
+        def gen():
+            try:
+                for chunk in inner:
+                    time.sleep(seconds_per_token)
+                    yield chunk
+            finally:
+                inner.close()
+        return gen()
+
+    return wrapped
+
+
+# Runs in a fresh interpreter without TRITON_INTERPRET (under it @triton.jit gives interpreted functions).
+_SM90_COMPILE = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module = importlib.import_module(sys.argv[1])
+for name, sig, consts in json.loads(sys.argv[2]):
+    fn = getattr(module, name)
+    sig = dict(sig, **{k: "constexpr" for k in consts})
+    src = ASTSource(fn=fn, signature={k: sig[k] for k in fn.arg_names}, constexprs=consts)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    assert kernel.asm["cubin"], name
+    print("compiled", name, consts)
+"""
+
+
+def compile_for_sm90(module: str, cases: list[tuple[str, dict, dict]]) -> None:
+    """Compile Triton kernels of `module` for the H200's architecture (sm_90) without a GPU, one per case
+    (kernel name, argument signature, constexprs); raises AssertionError with the compiler's output on failure."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_COMPILE, module, json.dumps(cases)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.stdout.count("compiled") == len(cases), run.stdout[-2000:]

@@ -270,29 +270,9 @@ def test_auto_sends_nf4_to_the_twin(monkeypatch):
 
 # --- the kernels compile for the H200's architecture ---------------------------------------------------
 
-# Runs in a fresh interpreter without TRITON_INTERPRET (under it @triton.jit gives interpreted functions).
-SM90_COMPILE = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import dsv3lite.kernels.fused_moe as fm
-for name, sig, consts in json.loads(sys.argv[1]):
-    fn = getattr(fm, name)
-    sig = dict(sig, **{k: "constexpr" for k in consts})
-    src = ASTSource(fn=fn, signature={k: sig[k] for k in fn.arg_names}, constexprs=consts)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-    assert kernel.asm["cubin"], name
-    print("compiled", name, consts)
-"""
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
 def test_fused_moe_compiles_for_sm90():
-    import json
-    import os
-    import subprocess
-    import sys
+    from dsv3lite.testing import compile_for_sm90
 
     pytest.importorskip("triton.backends.nvidia")
     common = dict(wslot="i64", sslot="i64", M="i32", D="i32", I="i32", n_tiles="i32", stride_wn="i32",
@@ -312,8 +292,4 @@ def test_fused_moe_compiles_for_sm90():
                     stride_ym="i32", down_w="i32", down_s="i32", down_z="i32")
         cases.append(("_moe_gate_up_kernel", gate_up, consts))
         cases.append(("_moe_down_kernel", down, dict(consts, HAS_EXTERNAL=code == 1)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps(cases)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert run.stdout.count("compiled") == len(cases)
+    compile_for_sm90("dsv3lite.kernels.fused_moe", cases)

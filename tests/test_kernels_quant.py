@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dsv3lite.kernels import dispatch   # imports no triton
 from dsv3lite.quant.formats import get_format
 from dsv3lite.quant.fp8 import fp8_block_dequant, fp8_block_quantize
-from dsv3lite.quant.int4 import int4_dequant, int4_quantize, padded_k
+from dsv3lite.quant.int4 import int4_dequant, int4_quantize
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 triton = pytest.importorskip("triton")
@@ -242,29 +242,9 @@ def test_plan_blocks():
 
 # --- the kernels compile for the H200's architecture -------------------------------------------------
 
-# Runs in a fresh interpreter without TRITON_INTERPRET (under it @triton.jit gives interpreted functions).
-SM90_COMPILE = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import dsv3lite.kernels.quant_matmul as qm
-for name, sig, consts in json.loads(sys.argv[1]):
-    fn = getattr(qm, name)
-    sig = dict(sig, **{k: "constexpr" for k in consts})
-    src = ASTSource(fn=fn, signature={k: sig[k] for k in fn.arg_names}, constexprs=consts)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-    assert kernel.asm["cubin"], name
-    print("compiled", name, consts)
-"""
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
 def test_quant_matmul_compiles_for_sm90():
-    import json
-    import os
-    import subprocess
-    import sys
+    from dsv3lite.testing import compile_for_sm90
 
     pytest.importorskip("triton.backends.nvidia")
     formats = [(qm.FMT_INT4, "*u8", "*fp16", 128, 128), (qm.FMT_FP8, "*fp8e4nv", "*fp32", 128, 64),
@@ -278,8 +258,4 @@ def test_quant_matmul_compiles_for_sm90():
             consts = dict(FMT=code, GROUP=group, BLOCK_M=16 if use_dot else 1, BLOCK_N=32, BLOCK_K=block_k,
                           USE_DOT=use_dot, UPCAST=False, PRECISION="ieee" if xtype == "fp32" else "tf32")
             cases.append(("_quant_matmul_kernel", sig, consts))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps(cases)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert run.stdout.count("compiled") == len(cases)
+    compile_for_sm90("dsv3lite.kernels.quant_matmul", cases)

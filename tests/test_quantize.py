@@ -40,13 +40,7 @@ def _has_bnb() -> bool:
         return False
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # the tensors here are tiny: on a small shared CPU, intra-op thread hand-offs cost far more than the work
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +249,7 @@ def _wait_for_first_layer(proc: subprocess.Popen, partial: Path, timeout: float 
             if json.loads((partial / PROGRESS).read_text())["layers_done"]:
                 return
         except (OSError, ValueError, KeyError):
-            pass
+            pass                                # not written yet, or caught mid-write: look again
         if proc.poll() is not None:
             raise AssertionError(f"quantize exited early: {proc.communicate()[1]}")
         time.sleep(0.05)

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import torch
 
 import dsv3lite
 from dsv3lite.app.reasoning import ReasoningSplitter, prompt_opens_reasoning, split_reasoning
@@ -28,13 +27,7 @@ CTX = 128
 QUIET = dict(device="cpu", ctx_size=CTX, progress=False, log=lambda m: None)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one intra-op thread, above all on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def load(path):
@@ -183,21 +176,10 @@ def test_eight_concurrent_clients_get_their_own_answers(server, oracle, v3_dir):
 
 
 def test_disconnect_mid_stream_cancels_the_generation(server, llm, oracle, v3_dir, monkeypatch):
-    real = llm.generate
+    from dsv3lite.testing import paced
 
-    def slow(ids, **kw):                  # at most 50 tok/s, so the test does not depend on this machine's speed
-        inner = real(ids, **kw)
-
-        def paced():
-            try:
-                for chunk in inner:
-                    time.sleep(0.02)
-                    yield chunk
-            finally:
-                inner.close()
-        return paced()
-
-    monkeypatch.setattr(llm, "generate", slow)
+    # at most 50 tok/s, so the test does not depend on this machine's speed
+    monkeypatch.setattr(llm, "generate", paced(llm.generate, 0.02))
     before = server_stats(server)["server"]
     max_tokens = CTX - 20
     body = {"model": v3_dir.name, "messages": [{"role": "user", "content": "go on"}], "max_tokens": max_tokens,

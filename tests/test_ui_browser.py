@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dsv3lite
+from dsv3lite.testing import paced
 from dsv3lite.app.server import ServerThread, create_app
 
 CHROMIUM = "/usr/bin/chromium"
@@ -32,21 +33,7 @@ def served(v3_dir):
     torch.set_num_threads(1)
     llm = dsv3lite.load(v3_dir, device="cpu", ctx_size=128, progress=False, log=lambda m: None)
     llm.stop_ids = set()                        # every reply runs to max_tokens
-    real = llm.generate
-
-    def paced(ids, **kw):                       # <= 40 tok/s, so Stop lands mid-reply on any machine
-        inner = real(ids, **kw)
-
-        def gen():
-            try:
-                for chunk in inner:
-                    time.sleep(0.025)
-                    yield chunk
-            finally:
-                inner.close()
-        return gen()
-
-    llm.generate = paced
+    llm.generate = paced(llm.generate, 0.025)  # <= 40 tok/s, so Stop lands mid-reply on any machine
     app = create_app(llm, ui=True, sampling={"max_tokens": MAX_TOKENS}, log=lambda m: None)
     with ServerThread(app) as server:
         yield server, app.state.runner
