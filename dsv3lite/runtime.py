@@ -9,7 +9,7 @@ import torch
 
 from .config import ModelArgs
 from .errors import UserError
-from .utils import format_bytes, parse_size, resolve_device, resolve_dtype
+from .utils import checkpoint_dir, format_bytes, parse_size, resolve_device, resolve_dtype
 
 
 DEFAULT_CTX_SIZE = 4096
@@ -22,14 +22,7 @@ def resolve_weights(weights) -> Path:
         if not (DEMO_DIR / "config.json").exists():
             raise UserError(f"the bundled demo model is missing from {DEMO_DIR} (reinstall dsv3lite or pass --weights)")
         return DEMO_DIR
-    path = Path(weights).expanduser()
-    if not path.exists():
-        raise UserError(f"weights directory not found: {path}")
-    if not path.is_dir():
-        raise UserError(f"--weights must be a checkpoint directory, got a file: {path}")
-    if not (path / "config.json").exists():
-        raise UserError(f"no config.json in {path}: not a checkpoint directory")
-    return path
+    return checkpoint_dir(weights, "weights directory")
 
 
 def expert_provider(root: Path, args: ModelArgs, experts: str | None, device: torch.device, log):

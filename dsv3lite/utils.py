@@ -75,3 +75,18 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return _DTYPES[str(dtype).lower()]
     except KeyError:
         raise UserError(f"unknown dtype {dtype!r}: use bfloat16, float16 or float32") from None
+
+
+def checkpoint_dir(path, what: str):
+    """`path` as an existing checkpoint directory (one holding config.json), else a one-line UserError naming
+    `what` (e.g. "weights directory", "source checkpoint")."""
+    from pathlib import Path
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UserError(f"{what} not found: {path}")
+    if not path.is_dir():
+        raise UserError(f"the {what} must be a checkpoint directory, got a file: {path}")
+    if not (path / "config.json").is_file():
+        raise UserError(f"no config.json in {path}: not a checkpoint directory")
+    return path

@@ -31,7 +31,7 @@ import torch
 from ..config import ModelArgs
 from ..errors import UserError
 from ..loader import CheckpointIndex, map_name, mtp_status, read_header
-from ..utils import format_bytes
+from ..utils import checkpoint_dir, format_bytes
 from .formats import format_for_layout, get_format
 from .fp8 import fp8_block_dequant, scale_grid_shape
 from .layout import MATRICES, BlobLayout, ExpertFormat
@@ -320,13 +320,7 @@ def _check_paths(src: Path, dst: Path) -> None:
 
 def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense: str = "bf16") -> Plan:
     """Check every input and work out both output headers; reads only config.json and safetensors headers."""
-    src, dst = Path(src).expanduser(), Path(dst).expanduser()
-    if not src.exists():
-        raise UserError(f"source checkpoint not found: {src}")
-    if not src.is_dir():
-        raise UserError(f"SRC must be a checkpoint directory, got a file: {src}")
-    if not (src / "config.json").is_file():
-        raise UserError(f"no config.json in {src}: not an HF checkpoint directory")
+    src, dst = checkpoint_dir(src, "source checkpoint"), Path(dst).expanduser()
     if is_quantized_dir(src):
         raise UserError(f"{src} is already dsv3lite-quantized: quantize reads HF checkpoints")
     if not Path(os.path.abspath(dst)).name:
