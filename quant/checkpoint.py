@@ -558,7 +558,7 @@ def _write_experts(plan: Plan, reader: SourceReader, state: dict, progress: bool
             if progress and not sys.stderr.isatty():  # no bar in a log file: one line per layer instead
                 k, rate = len(state["layers_done"]), done_bytes / (time.perf_counter() - t0)
                 eta = (len(plan.moe_layers) - k) * n_experts * plan.expert_src_bytes / rate
-                log(f"layer {layer} done ({k}/{len(plan.moe_layers)}), {rate / 1e9:.2f} GB/s, ETA {eta / 60:.0f} min")
+                log(f"layer {layer} done ({k}/{len(plan.moe_layers)}), {format_bytes(rate)}/s, ETA {eta / 60:.0f} min")
             if len(state["layers_done"]) == pause_after:
                 log(f"{PAUSE_ENV}: paused after {pause_after} layer(s)")
                 time.sleep(3600)
