@@ -356,17 +356,47 @@ class MoE(nn.Module):
         self.gate = Gate(args)
         self.experts = RoutedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size)
         self.shared_experts = MLP(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
-        self.record_routing = False
-        self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None   # (scores [N, E], ids [N, K])
+        self.observers = Observers()          # the model's own, shared by all its layers (Transformer sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids, scores = self.gate(flat)
-        if self.record_routing:
-            self.last_routing = (scores, ids)
+        for fn in self.observers.routing:
+            fn(self.layer_id, ids, scores)
         routed = self.experts(flat, ids, weights).view(shape)
         return routed + self.shared_experts(x)
+
+
+# --- observers ---------------------------------------------------------------------------------------
+
+class Observers:
+    """The callbacks watching one model's forward passes, per event; lists stay empty (and cost one loop
+    over nothing) when nobody watches."""
+
+    def __init__(self):
+        self.attention: list = []
+        self.routing: list = []
+
+    def add(self, on_attention=None, on_routing=None) -> "ObserverHandle":
+        assert on_attention is not None or on_routing is not None, "an observer needs at least one callback"
+        if on_attention is not None:
+            self.attention.append(on_attention)
+        if on_routing is not None:
+            self.routing.append(on_routing)
+        return ObserverHandle(self, on_attention, on_routing)
+
+
+class ObserverHandle:
+    def __init__(self, observers: Observers, on_attention, on_routing):
+        self._observers, self._on_attention, self._on_routing = observers, on_attention, on_routing
+
+    def remove(self) -> None:
+        """Detach the callbacks (idempotent)."""
+        for fns, fn in ((self._observers.attention, self._on_attention), (self._observers.routing, self._on_routing)):
+            if fn is not None and fn in fns:
+                fns.remove(fn)
+        self._on_attention = self._on_routing = None
 
 
 # --- blocks ------------------------------------------------------------------------------------------
@@ -419,8 +449,15 @@ class Transformer(nn.Module):
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.mtp = MTPLayer(args) if with_mtp else None
         self.rotary = Rotary(args)
-        # called as layer_hook(layer, h) after each layer's attention (the offloading runtime predicts here)
-        self.layer_hook = None
+        self.observers = Observers()
+        for moe in self.moe_modules():
+            moe.observers = self.observers
+
+    def add_observer(self, on_attention=None, on_routing=None) -> "ObserverHandle":
+        """Watch forward passes: on_attention(block, h [B, S, D]) after each main layer's attention (before its
+        feed-forward), on_routing(layer_id, ids [N, K], scores [N, E]) after each MoE router, MTP layer
+        included. Observers run in the order they were added; `handle.remove()` detaches them."""
+        return self.observers.add(on_attention, on_routing)
 
     def blocks(self) -> list[Block]:
         """Every decoder block, main layers then the MTP block (cache index = position in this list)."""
@@ -434,11 +471,11 @@ class Transformer(nn.Module):
         """tokens [B, S] -> final-normed hidden [B, S, D]. cache: [n_layers(+1), B, Tmax, latent] or None."""
         h = self.embed(tokens)
         cos, sin = (as_dtype(t, h.dtype)[:, None] for t in self.rotary(start, tokens.shape[1], h.device))
-        hook = self.layer_hook
+        watchers = self.observers.attention
         for i, layer in enumerate(self.layers):
             h = layer.attention(h, start, cos, sin, None if cache is None else cache[i], absorb)
-            if hook is not None:
-                hook(layer, h)
+            for fn in watchers:
+                fn(layer, h)
             h = layer.feed_forward(h)
         return self.norm(h)
 

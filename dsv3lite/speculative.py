@@ -1,16 +1,25 @@
-"""Speculative decoding with the model's own MTP head: verification by rejection sampling.
+"""Speculative decoding with the model's own MTP head: one `Speculator` per Engine owns it all.
 
 Drafts d_1..d_k come from the MTP head with probabilities q_j; the main model scores them in one forward,
 giving p_j. Draft j is accepted with probability min(1, p_j(d_j) / q_j(d_j)); the first rejected position
 samples from norm(max(0, p_j - q_j)); if every draft is accepted, a bonus token is sampled from p_{k+1}.
 This keeps the target distribution exactly; with temperature 0 (one-hot p and q) it reduces to "accept
 while the main model's argmax equals the draft".
+
+The Speculator drafts, verifies, accepts, rolls back (the main cache keeps only accepted tokens; the MTP
+cache is caught up on the accepted pairs), times plain against speculative steps and turns itself off when
+speculation does not pay. The MTP layer has its own latent cache: `valid` counts its positions that hold
+pairs (h_i, t_{i+1}) of the current conversation.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
-from .generate import sample
+from .errors import UserError
+from .limits import ABSORB_MAX_TOKENS, MAX_DRAFT_TOKENS, PREFILL_CHUNK
+from .sampling import SamplingParams, sample, sampling_probs
 
 
 def accept_drafts(target: list[torch.Tensor], drafts: list[int], draft_probs: list[torch.Tensor],
@@ -30,3 +39,163 @@ def accept_drafts(target: list[torch.Tensor], drafts: list[int], draft_probs: li
             residual = p.clone()
         return j, sample(residual / residual.sum(), generator)
     return len(drafts), sample(target[len(drafts)], generator)
+
+
+class MTPTimer:
+    """Decides whether speculation pays: a few plain steps are timed first, then speculative steps; after
+    JUDGE_AFTER of them, MTP is turned off if it produced fewer tokens per second than plain decoding."""
+    PROBE_PLAIN = 3
+    JUDGE_AFTER = 16
+
+    def __init__(self, adaptive: bool = True):
+        self.adaptive = adaptive
+        self.plain_s: list[float] = []
+        self.spec_s = 0.0
+        self.spec_tokens = 0
+        self.spec_steps = 0
+        self.judged = not adaptive
+
+    def probing(self) -> bool:
+        return self.adaptive and len(self.plain_s) < self.PROBE_PLAIN
+
+    def plain(self, dt: float) -> None:
+        self.plain_s.append(dt)
+
+    def spec(self, dt: float, tokens: int) -> None:
+        self.spec_s += dt
+        self.spec_tokens += tokens
+        self.spec_steps += 1
+
+    def verdict(self) -> str | None:
+        if self.judged or self.spec_steps < self.JUDGE_AFTER or not self.plain_s:
+            return None
+        self.judged = True
+        plain_rate = 1.0 / sorted(self.plain_s)[len(self.plain_s) // 2]
+        spec_rate = self.spec_tokens / self.spec_s
+        if spec_rate < 0.97 * plain_rate:
+            return f"measured {spec_rate:.1f} tok/s with MTP vs {plain_rate:.1f} tok/s without"
+        return None
+
+
+class Speculator:
+    """MTP drafting and verification for one Engine (batch 1). `step` is one decode step, speculative or plain."""
+
+    def __init__(self, model, device: torch.device, enabled: bool = True, num_draft_tokens: int = 1,
+                 adaptive: bool = True, log=None):
+        self.model, self.device = model, device
+        self.layer = model.args.num_hidden_layers          # the MTP layer's index in the latent cache
+        self.available = model.mtp is not None
+        self.log = log or (lambda msg: None)
+        self.enabled = bool(enabled) and self.available
+        self.off_reason = None if self.enabled else (
+            "disabled by the caller" if not enabled else "the checkpoint has no MTP weights")
+        self.num_draft_tokens = self._checked_drafts(num_draft_tokens)
+        self.timer = MTPTimer(adaptive)
+        self.valid = 0                                     # valid MTP-cache positions (pairs (h_i, t_{i+1}))
+        self.out: torch.Tensor | None = None               # MTP output of the last valid pair (drafts come from it)
+
+    @staticmethod
+    def _checked_drafts(k) -> int:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise UserError(f"--num-draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {k!r}")
+        return k
+
+    # --- control ------------------------------------------------------------------------------
+    def configure(self, enabled: bool | None = None, num_draft_tokens: int | None = None,
+                  adaptive: bool | None = None, reason: str | None = None) -> None:
+        """Change speculation between generations. Turning it on again rebuilds the MTP cache (it was not
+        kept up to date while off); `reason` is reported while it is off."""
+        if num_draft_tokens is not None:
+            self.num_draft_tokens = self._checked_drafts(num_draft_tokens)
+        if adaptive is not None:
+            self.timer = MTPTimer(bool(adaptive))
+        if enabled is None or bool(enabled) == self.enabled:
+            return
+        if enabled:
+            if not self.available:
+                raise UserError("this checkpoint has no MTP weights: MTP cannot be turned on")
+            self.enabled, self.off_reason, self.valid = True, None, 0
+        else:
+            self.enabled, self.off_reason = False, reason or "disabled by the caller"
+
+    def active(self) -> bool:
+        """Speculate this step? Off when MTP is off, or after measurements showed it slower than plain decoding."""
+        if not self.enabled:
+            return False
+        verdict = self.timer.verdict()
+        if verdict is not None:
+            self.enabled, self.off_reason = False, verdict
+            self.log(f"note: MTP speculation turned off: {verdict}")
+            return False
+        return not self.timer.probing()
+
+    def keep(self, common: int) -> int:
+        """The main cache keeps `common` tokens of a new prompt: how many it may keep so that the MTP cache can
+        be caught up from there (its pair i needs h_i, so recompute from the first stale pair)."""
+        if self.enabled:
+            common = max(min(common, self.valid), 0)
+        self.valid = min(self.valid, common)
+        return common
+
+    def reset(self) -> None:
+        self.valid = 0
+
+    def stats(self, drafted: int, accepted: int, decode_tokens: int, main_forwards: int) -> dict:
+        return {"enabled": self.enabled,
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "tokens_per_forward": decode_tokens / main_forwards if main_forwards else 0.0,
+                **({} if self.enabled else {"reason": self.off_reason})}
+
+    # --- the MTP layer ------------------------------------------------------------------------
+    def catch_up(self, cache: torch.Tensor, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
+        """Run the MTP layer on accepted pairs (h_i, t_{i+1}) at positions start..; keep the last output."""
+        if not self.enabled:
+            return
+        assert start == self.valid, "MTP cache out of step with the main cache"
+        mtp_cache = cache[self.layer]
+        out = None
+        for i in range(0, len(next_tokens), PREFILL_CHUNK):
+            toks = torch.tensor([next_tokens[i:i + PREFILL_CHUNK]], dtype=torch.long, device=self.device)
+            h = hidden[i:i + PREFILL_CHUNK][None]
+            out = self.model.mtp_hidden(h, toks, start + i, mtp_cache, absorb=toks.shape[1] <= ABSORB_MAX_TOKENS)
+        self.valid = start + len(next_tokens)
+        self.out = out[0, -1]
+
+    def draft(self, cache: torch.Tensor, k: int, params: SamplingParams, gen) -> tuple[list[int], list[torch.Tensor]]:
+        """k draft tokens from the MTP head (its own output fed back for drafts 2..k), with their q vectors."""
+        mtp_cache = cache[self.layer]
+        drafts, qs = [], []
+        out = self.out
+        for j in range(k):
+            q = sampling_probs(self.model.head(out), params)
+            d = sample(q, gen)
+            drafts.append(d)
+            qs.append(q)
+            if j + 1 < k:       # speculative MTP positions; catch-up overwrites them
+                toks = torch.tensor([[d]], dtype=torch.long, device=self.device)
+                out = self.model.mtp_hidden(out[None, None], toks, self.valid + j, mtp_cache, absorb=True)[0, -1]
+        return drafts, qs
+
+    # --- one decode step ------------------------------------------------------------------------
+    def step(self, forward, cache: torch.Tensor, token: int, m: int, room: int, params: SamplingParams, gen,
+             stats) -> tuple[list[int], list[int]]:
+        """One decode step from `token` (sampled, not yet cached) at position m. forward(tokens, start) ->
+        (hidden [S, D], logits [S, V]) runs the main model; room: positions left after this step's token.
+        -> (the new tokens it yields (1..k+1), the tokens the main cache now holds beyond m)."""
+        k = min(self.num_draft_tokens, room) if self.active() else 0
+        t0 = time.perf_counter()
+        if k > 0:
+            drafts, qs = self.draft(cache, k, params, gen)
+            h, logits = forward([token] + drafts, m)
+            a, nxt = accept_drafts([sampling_probs(l, params) for l in logits], drafts, qs, gen)
+            kept, new = [token] + drafts[:a], drafts[:a] + [nxt]
+            self.catch_up(cache, h[:a + 1], new, m)
+            stats.drafted += k
+            stats.accepted += a
+            self.timer.spec(time.perf_counter() - t0, len(new))
+            return new, kept
+        h, logits = forward([token], m)
+        new = [sample(sampling_probs(logits[0], params), gen)]
+        self.timer.plain(time.perf_counter() - t0)
+        self.catch_up(cache, h, new, m)
+        return new, [token]

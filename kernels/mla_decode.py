@@ -19,7 +19,7 @@ except ImportError:  # no Triton on this platform: only the twin runs
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
-_MAX_SQ = 4
+MAX_QUERIES = 4           # new tokens per sequence the kernel takes (a decode step plus MTP drafts)
 _MIN_SPLIT_TOKENS = 128   # a split shorter than this costs more to merge than it saves
 _MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
@@ -29,7 +29,7 @@ def _check_inputs(q, latent_cache, seqlens, kv_lora_rank):
     assert q.dim() == 4, f"q must be [B, Sq, H, Dk], got shape {tuple(q.shape)}"
     assert latent_cache.dim() == 3, f"latent_cache must be [B, Tmax, Dk], got shape {tuple(latent_cache.shape)}"
     batch, sq, _, dk = q.shape
-    assert 1 <= sq <= _MAX_SQ, f"Sq must be in 1..{_MAX_SQ}, got {sq}"
+    assert 1 <= sq <= MAX_QUERIES, f"Sq must be in 1..{MAX_QUERIES}, got {sq}"
     assert latent_cache.shape[0] == batch and latent_cache.shape[2] == dk, (
         f"latent_cache {tuple(latent_cache.shape)} does not match q {tuple(q.shape)}: want [{batch}, Tmax, {dk}]")
     assert 0 < kv_lora_rank < dk, (

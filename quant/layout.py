@@ -141,6 +141,7 @@ class ExpertFormat:
     """
     name: str = ""
     group_size: int | None = None
+    fused_kernel: bool = True          # the Triton fused MoE kernel reads this format's blobs from the slot pool
 
     def __init__(self) -> None:
         self._layouts: dict[int, list[BlobLayout]] = {}  # blob_bytes -> layouts built, for unpack(blob)

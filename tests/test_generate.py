@@ -6,7 +6,8 @@ import torch
 
 import dsv3lite
 from dsv3lite.errors import UserError
-from dsv3lite.generate import SamplingParams, StopMatcher, sampling_probs
+from dsv3lite.generate import StopMatcher
+from dsv3lite.sampling import SamplingParams, sampling_probs
 
 
 @pytest.fixture(scope="module")

@@ -55,12 +55,12 @@ def test_caches_after_rollback_match_a_run_that_never_drafted(mtp_dir):
     list(spec.generate("hello world", max_tokens=30, temperature=1.0, seed=5))   # accepts and rejects
     tokens = list(spec.cached_tokens)
     never = load(mtp_dir, mtp=True, mtp_adaptive=False)
-    never.mtp_active = lambda: False          # MTP cache kept up to date, no drafting
+    never.speculator.active = lambda: False   # MTP cache kept up to date, no drafting
     list(never.generate(tokens, max_tokens=1))
     n = len(tokens)
     main = spec.args.num_hidden_layers
     torch.testing.assert_close(spec.cache[:main, :, :n], never.cache[:main, :, :n], atol=1e-5, rtol=1e-5)
-    valid = min(spec.mtp_valid, never.mtp_valid) - 1            # the last pair depends on the next token
+    valid = min(spec.speculator.valid, never.speculator.valid) - 1           # the last pair depends on the next token
     assert valid > 10
     torch.testing.assert_close(spec.cache[main, :, :valid], never.cache[main, :, :valid], atol=1e-5, rtol=1e-5)
 
@@ -109,7 +109,8 @@ def test_greedy_verification_is_argmax_agreement():
 def test_engine_speculative_step_samples_the_target_distribution(mtp_dir):
     """At a fixed context, the first token of a speculative step (accepted draft or correction) follows the
     main model's top-k distribution."""
-    from dsv3lite.generate import RunStats, SamplingParams
+    from dsv3lite.generate import RunStats
+    from dsv3lite.sampling import SamplingParams
 
     spec = load(mtp_dir, mtp=True, mtp_adaptive=False)
     prompt = spec.tokenizer.encode("hello world", add_bos=True)
