@@ -1,11 +1,8 @@
 """dsv3lite: run DeepSeek-V3-family mixture-of-experts models on one machine whose GPU is too small for them."""
 from __future__ import annotations
 
-from pathlib import Path
-
-__version__ = "0.1.0"
-
-DEMO_DIR = Path(__file__).parent / "demo"
+from .demo import DEMO_DIR
+from .version import __version__
 
 
 def load(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | None = None, mtp: bool = True,
@@ -16,7 +13,7 @@ def load(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | 
 
     llm.generate(prompt, ...), llm.chat(messages, ...), llm.forward(ids), llm.tokenizer, llm.stats().
     """
-    from .runtime import build_engine
+    from .builder import build_engine
 
     return build_engine(weights=weights, device=device, gpu_mem=gpu_mem, dtype=dtype, ctx_size=ctx_size,
                         mtp=mtp, experts=experts, cpu_mem=cpu_mem, progress=progress, log=log, **options)

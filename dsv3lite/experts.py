@@ -1,4 +1,5 @@
-"""Routed-expert providers that read packed blobs (the `MoE.experts` seam; see model.py).
+"""Where routed experts come from (`expert_source`), and the resident provider that reads packed blobs
+(the `MoE.experts` seam; see model.py).
 
 `BlobExperts` holds every expert of one layer resident as [n_experts, blob_bytes] uint8 in one of the
 quant formats; the offloading runtime's provider reads the same blobs from its slot pool, so both give
@@ -7,15 +8,67 @@ kernel with the blobs as the slot pool (slot e = expert e).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from .config import ModelArgs
+from .errors import UserError
 from .kernels import dispatch
 from .kernels.fused_moe import fused_moe
+from .limits import FUSED_MAX_TOKENS
 from .model import combine_experts
 from .quant.layout import BlobLayout, ExpertFormat
 
-FUSED_MAX_TOKENS = 16      # decode and MTP verify; prefill keeps the per-expert path (weights read once)
+
+@dataclass
+class ExpertSource:
+    """The routed experts of one checkpoint as packed blobs: their format, and per layer where the bytes come from
+    (mapped from a quantized directory's experts file, or quantized at load from an HF checkpoint)."""
+    root: Path
+    args: ModelArgs
+    fmt: ExpertFormat
+    layout: BlobLayout
+    manifest: object | None              # quant.checkpoint.Manifest of a quantized directory, else None
+    _index: object = field(default=None, init=False, repr=False)    # the HF checkpoint's index, opened once
+
+    @property
+    def mapped(self) -> bool:
+        """True when the blobs are mapped from a file (no copy, pages read on first touch)."""
+        return self.manifest is not None
+
+    def layer_blobs(self, layer_id: int) -> torch.Tensor:
+        """uint8 [n_experts, blob_bytes] of one MoE layer (MTP layer included)."""
+        from .quant.checkpoint import open_layer_blobs, quantize_layer_from_hf
+
+        if self.manifest is not None:
+            return open_layer_blobs(self.root, self.manifest, layer_id)
+        if self._index is None:
+            from .hf_checkpoint import CheckpointIndex
+            self._index = CheckpointIndex.open(self.root)
+        return quantize_layer_from_hf(self._index, self.args, layer_id, self.fmt, self.layout)
+
+
+def expert_source(root: Path, args: ModelArgs, experts: str | None, blobs_required: bool) -> ExpertSource | None:
+    """Where the routed experts come from. A quantized directory: its own blobs (`experts`, if given, must be its
+    format). An HF directory with `experts`: quantized to that format at load. An HF directory without: None (the
+    checkpoint's dense experts), unless `blobs_required` (offloading), then blobs in the checkpoint's own
+    precision (fp8 for an FP8 checkpoint, else bf16)."""
+    from .quant.checkpoint import is_quantized_dir, read_manifest
+    from .quant.formats import get_format
+
+    if is_quantized_dir(root):
+        manifest = read_manifest(root)
+        if experts is not None and experts != manifest.format:
+            raise UserError(f"{root} holds {manifest.format} experts; --experts {experts} needs the HF checkpoint "
+                            f"(quantize it again, or drop --experts)")
+        return ExpertSource(root, args, manifest.expert_format(), manifest.layout, manifest)
+    if experts is None and not blobs_required:
+        return None
+    fmt = get_format(experts or ("fp8" if args.fp8_block_size else "bf16"))
+    return ExpertSource(root, args, fmt, fmt.layout(args.moe_intermediate_size, args.hidden_size), None)
 
 
 class BlobExperts(nn.Module):
@@ -31,6 +84,6 @@ class BlobExperts(nn.Module):
         return self.fmt.expert_forward(self.blobs[e], x, self.layout).to(x.dtype)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= FUSED_MAX_TOKENS and self.layout.format != "nf4" and dispatch.use_kernels(x.device):
+        if x.shape[0] <= FUSED_MAX_TOKENS and self.fmt.fused_kernel and dispatch.use_kernels(x.device):
             return fused_moe(x, ids, weights, self.slot_table, self.blobs, self.layout)
         return combine_experts(self.expert, x, ids, weights)

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs
-from .kernels.dispatch import use_kernels
-from .kernels.mla_decode import mla_decode_auto
+from .kernels.mla_decode import mla_attend
 
 # q_a_layernorm / kv_a_layernorm use 1e-6 whatever the config says (as the hub code and transformers do)
 _LATENT_NORM_EPS = 1e-6
@@ -180,26 +179,10 @@ class MLA(nn.Module):
         q_abs = torch.bmm(q_nope.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uk)           # [H, BS, c]
         q_abs = q_abs.transpose(0, 1).reshape(bsz, seqlen, h, a.kv_lora_rank)
         q = torch.cat([q_abs, q_pe], dim=-1)                             # [B, S, H, kv_lora + dr]
-        if bsz == 1 and kv.device.type == "cpu" and not use_kernels(kv.device):
-            out_latent = latent_attention(q[0], kv[0], a.softmax_scale, a.kv_lora_rank)[None]
-        else:
-            seqlens = torch.full((bsz,), kv.shape[1], dtype=torch.int32, device=kv.device)
-            out_latent, _ = mla_decode_auto(q, kv, seqlens, a.softmax_scale, a.kv_lora_rank)
+        out_latent = mla_attend(q, kv, a.softmax_scale, a.kv_lora_rank)
         # out[b, s, h] = out_latent[b, s, h] @ W_UV[h]^T
         out = torch.bmm(out_latent.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uv.transpose(1, 2))  # [H, BS, dv]
         return out.transpose(0, 1).reshape(bsz, seqlen, h, a.v_head_dim)
-
-
-def latent_attention(q: torch.Tensor, keys: torch.Tensor, softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """One sequence's absorbed attention in a few operators (the CPU decode path; mla_decode_ref computes the
-    same plus the log-sum-exp): q [Sq, H, kv_lora + dr] over keys [T, kv_lora + dr] whose first kv_lora_rank
-    values are also the values; the Sq queries are the last Sq positions (bottom-right causal)."""
-    sq = q.shape[0]
-    keys = as_dtype(keys, torch.float32)
-    scores = torch.matmul(as_dtype(q, torch.float32), keys.T) * softmax_scale       # [Sq, H, T]
-    if sq > 1:
-        scores.masked_fill_(~causal_mask(sq, keys.shape[0], q.device)[:, None, :], float("-inf"))
-    return as_dtype(torch.matmul(scores.softmax(-1), keys[:, :kv_lora_rank]), q.dtype)
 
 
 def causal_mask(seqlen: int, total: int, device) -> torch.Tensor:

@@ -11,20 +11,24 @@ import os
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton on this platform (it ships only for Linux): only the twins run
+    triton = tl = None
+
+# the decorator every kernel file uses: triton.jit, or the plain function where Triton is absent
+jit = triton.jit if triton is not None else (lambda fn: fn)
+
 
 def interpreted() -> bool:
     """True when Triton kernels run in the interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")
 
 
-@functools.cache
 def triton_available() -> bool:
-    """True when Triton can be imported (it ships only for Linux)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """True when Triton could be imported."""
+    return triton is not None
 
 
 def use_kernels(device: torch.device | str) -> bool:

@@ -21,17 +21,11 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
+from .dispatch import jit as _jit, tl, triton
 from .quant_matmul import (FMT_CODES, FMT_FP8, FMT_INT4, _X_DTYPES, _acc_result, _acc_zeros, _cast, _dot_step,
                            dot_precision, num_tiles, plan_blocks)
 from ..quant.layout import BlobLayout, MATRICES
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton on this platform: only the twin runs
-    triton = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
 def _check_inputs(x, expert_ids, weights, slot_of_expert, pool, layout, external_out):

@@ -10,14 +10,8 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
+from .dispatch import jit as _jit, tl, triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton on this platform: only the twin runs
-    triton = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 MAX_QUERIES = 4           # new tokens per sequence the kernel takes (a decode step plus MTP drafts)
 _MIN_SPLIT_TOKENS = 128   # a split shorter than this costs more to merge than it saves
@@ -258,7 +252,7 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tenso
 
 
 # ----------------------------------------------------------------------------------------------
-# PyTorch twin: fp32 math, one matmul pair per sequence. It is also the CPU decode path.
+# PyTorch twin: fp32 math, one matmul pair per sequence, with the log-sum-exp.
 # ----------------------------------------------------------------------------------------------
 
 def mla_decode_ref(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tensor, softmax_scale: float,
@@ -291,3 +285,27 @@ def mla_decode_auto(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.
     if dispatch.use_kernels(q.device):
         return mla_decode(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, num_splits)
     return mla_decode_ref(q, latent_cache, seqlens, softmax_scale, kv_lora_rank)
+
+
+def latent_attention(q: torch.Tensor, keys: torch.Tensor, softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """One sequence's absorbed attention in a few operators (the CPU decode path; `mla_decode_ref` computes the
+    same plus the log-sum-exp): q [Sq, H, Dk] over keys [T, Dk] whose first kv_lora_rank values are also the
+    values; the Sq queries are the last Sq positions (bottom-right causal). -> [Sq, H, kv_lora_rank] in q.dtype."""
+    sq, total = q.shape[0], keys.shape[0]
+    keys = keys if keys.dtype == torch.float32 else keys.float()
+    scores = torch.matmul(q if q.dtype == torch.float32 else q.float(), keys.T) * softmax_scale     # [Sq, H, T]
+    if sq > 1:
+        hidden = torch.arange(total, device=q.device) > torch.arange(total - sq, total, device=q.device)[:, None]
+        scores.masked_fill_(hidden[:, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(-1), keys[:, :kv_lora_rank])
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def mla_attend(q: torch.Tensor, latent_cache: torch.Tensor, softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """The model's absorbed attention: q [B, Sq, H, Dk] over every row of latent_cache [B, T, Dk] (the last Sq
+    rows are the queries' own) -> out [B, Sq, H, kv_lora_rank]. The kernel where kernels run; one sequence on
+    the CPU takes `latent_attention`; otherwise the twin (e.g. DSV3LITE_KERNELS=ref on a GPU)."""
+    if q.shape[0] == 1 and q.device.type == "cpu" and not dispatch.use_kernels(q.device):
+        return latent_attention(q[0], latent_cache[0], softmax_scale, kv_lora_rank)[None]
+    seqlens = torch.full((q.shape[0],), latent_cache.shape[1], dtype=torch.int32, device=latent_cache.device)
+    return mla_decode_auto(q, latent_cache, seqlens, softmax_scale, kv_lora_rank)[0]

@@ -11,16 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
+from .dispatch import jit as _jit, tl, triton
 from ..quant.fp8 import BLOCK as FP8_BLOCK, fp8_block_dequant, scale_grid_shape
 from ..quant.int4 import int4_dequant, padded_k
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton on this platform: only the twins run
-    triton = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 FMT_INT4, FMT_FP8, FMT_BF16 = 0, 1, 2   # the `FMT` constexpr of every kernel
 FMT_CODES = {"int4": FMT_INT4, "fp8": FMT_FP8, "bf16": FMT_BF16}

@@ -30,12 +30,13 @@ import torch
 
 from ..config import ModelArgs
 from ..errors import UserError
-from ..loader import CheckpointIndex, map_name, mtp_status, read_header
+from ..hf_checkpoint import (FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader, check_fp8_scale,
+                             expert_tensor_name, map_name, mtp_status)
 from ..utils import checkpoint_dir, format_bytes
 from .formats import format_for_layout, get_format
-from .fp8 import fp8_block_dequant, scale_grid_shape
+from .fp8 import fp8_block_dequant
 from .layout import MATRICES, BlobLayout, ExpertFormat
-from .tensorfile import DTYPES, TensorFileWriter, TensorSpan, entry_nbytes, tensor_spans
+from .tensorfile import DTYPES, TensorFileWriter, entry_nbytes, read_header, tensor_spans
 
 MANIFEST = "dsv3lite_manifest.json"
 MANIFEST_VERSION = 1
@@ -44,9 +45,7 @@ EXPERTS_FILE = "experts.safetensors"
 PROGRESS = "progress.json"          # inside DST.partial/ only
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
               "generation_config.json", "special_tokens_map.json", "tiktoken.model")
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")      # checkpoint names of MATRICES, same order
 SOURCE_FLOAT_DTYPES = ("BF16", "F16", "F32", "F8_E4M3")
-_ROUTER_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")   # kept fp32
 # test hook: stop (sleep) once this many MoE layers are finished, so a test can interrupt at a known point
 PAUSE_ENV = "DSV3LITE_TEST_PAUSE_AFTER_LAYERS"
 
@@ -59,90 +58,19 @@ def blob_name(layer_id: int) -> str:
     return f"model.layers.{layer_id}.mlp.experts.blobs"
 
 
-def expert_tensor_name(layer_id: int, expert: int, proj: str) -> str:
-    return f"model.layers.{layer_id}.mlp.experts.{expert}.{proj}.weight"
-
-
 def _natural_key(name: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def _describe(fmt_name: str, group_size) -> str:
-    return f"int4 (group {group_size})" if fmt_name == "int4" else fmt_name
+# ---- packing experts from the source (read one tensor at a time by hf_checkpoint.TensorReader) ----------------
 
-
-# ---- reading the source, one tensor at a time -----------------------------------------------------------------
-
-class SourceReader:
-    """Tensors of an HF checkpoint read one at a time with pread at the offsets of the safetensors headers, into
-    memory of their own. (safetensors' safe_open maps the shard, and every page a read touches stays in the
-    process's RSS until the handle closes: +1 expert per expert read, measured.)"""
-
-    def __init__(self, index: CheckpointIndex):
-        self.index = index
-        self._shards: dict[Path, tuple[int, dict[str, TensorSpan]]] = {}   # shard -> (fd, name -> span)
-
-    def _locate(self, name: str) -> tuple[int, TensorSpan, Path]:
-        shard = self.index.files.get(name)
-        if shard is None:
-            raise UserError(f"checkpoint is missing tensor {name}")
-        if shard not in self._shards:
-            spans = tensor_spans(shard)
-            try:
-                self._shards[shard] = (os.open(shard, os.O_RDONLY), spans)
-            except OSError as e:
-                raise UserError(f"cannot read {shard}: {e.strerror}") from None
-        fd, spans = self._shards[shard]
-        if name not in spans:
-            raise UserError(f"{shard.name} does not hold {name}, which the checkpoint index places there")
-        return fd, spans[name], shard
-
-    def get(self, name: str) -> torch.Tensor:
-        fd, span, shard = self._locate(name)
-        dtype = DTYPES.get(span.dtype)
-        if dtype is None or span.nbytes != entry_nbytes(span.dtype, span.shape):
-            raise UserError(f"tensor {name} in {shard.name}: unsupported dtype {span.dtype} or inconsistent size")
-        buf = torch.empty(span.nbytes, dtype=torch.uint8)
-        view, offset = memoryview(buf.numpy()), span.start
-        while view.nbytes:
-            n = os.preadv(fd, [view], offset)
-            if n <= 0:
-                raise UserError(f"cannot read tensor {name}: {shard.name} is truncated")
-            view, offset = view[n:], offset + n
-        return buf.view(dtype).view(span.shape)
-
-    def weight(self, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, its FP8 block scale_inv or None) with the shapes checked."""
-        w = self.get(name)
-        if tuple(w.shape) != tuple(shape):
-            raise UserError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)} from config.json")
-        if w.dtype != torch.float8_e4m3fn:
-            return w, None
-        s = self.get(name + "_scale_inv")
-        if tuple(s.shape) != scale_grid_shape(*shape):
-            raise UserError(f"{name}_scale_inv has shape {tuple(s.shape)}, expected {scale_grid_shape(*shape)} "
-                            f"for a {tuple(shape)} weight with 128x128 blocks")
-        return w, s.float()
-
-    def close(self) -> None:
-        for fd, _ in self._shards.values():
-            os.close(fd)
-        self._shards.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def pack_expert(reader: SourceReader, layer_id: int, expert: int, fmt: ExpertFormat, layout: BlobLayout,
+def pack_expert(reader: TensorReader, layer_id: int, expert: int, fmt: ExpertFormat, layout: BlobLayout,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """One expert of the source as a blob of `fmt`. FP8 source + fp8 format: bytes and scales copied verbatim;
     otherwise FP8 weights are dequantized the project's one way (bf16(fp32(w) * s)) and then quantized."""
     weights = [reader.weight(expert_tensor_name(layer_id, expert, p), layout.matrix_shape(m))
                for p, m in zip(PROJECTIONS, MATRICES)]
-    if fmt.name == "fp8" and all(s is not None for _, s in weights):
+    if fmt.fp8_passthrough and all(s is not None for _, s in weights):
         (gw, gs), (uw, us), (dw, ds) = weights
         return fmt.pack_prequantized(gw, gs, uw, us, dw, ds, out=out)
     dense = [w if s is None else fp8_block_dequant(w, s, torch.bfloat16) for w, s in weights]
@@ -162,7 +90,7 @@ def quantize_layer_from_hf(root_or_index, args: ModelArgs, layer_id: int, fmt: E
     index = root_or_index if isinstance(root_or_index, CheckpointIndex) else CheckpointIndex.open(Path(root_or_index))
     _check_layout(fmt, layout, args)
     blobs = torch.empty(args.n_routed_experts, layout.blob_bytes, dtype=torch.uint8)
-    with SourceReader(index) as reader:
+    with TensorReader(index) as reader:
         for e in range(args.n_routed_experts):
             pack_expert(reader, layer_id, e, fmt, layout, out=blobs[e])
     return blobs
@@ -270,7 +198,7 @@ class DenseEntry:
 
 
 @dataclass
-class Plan:
+class QuantizePlan:
     src: Path
     dst: Path
     args: ModelArgs
@@ -302,7 +230,7 @@ class Plan:
         return {"dsv3lite": "expert-blobs", "format": self.fmt.name, "blob_bytes": str(self.layout.blob_bytes)}
 
     def manifest(self) -> Manifest:
-        from .. import __version__
+        from ..version import __version__
 
         return Manifest(self.fmt.name, self.fmt.group_size, self.layout, self.dense, list(self.moe_layers),
                         self.args.n_routed_experts, self.source_hash, __version__)
@@ -318,7 +246,7 @@ def _check_paths(src: Path, dst: Path) -> None:
         raise UserError(f"SRC {src} is inside DST {dst}: choose another DST")
 
 
-def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense: str = "bf16") -> Plan:
+def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense: str = "bf16") -> QuantizePlan:
     """Check every input and work out both output headers; reads only config.json and safetensors headers."""
     src, dst = checkpoint_dir(src, "source checkpoint"), Path(dst).expanduser()
     if is_quantized_dir(src):
@@ -329,9 +257,7 @@ def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense:
     if dense not in ("bf16", "fp8"):
         raise UserError(f"unknown dense dtype {dense!r}: use bf16 or fp8")
     fmt = get_format(experts, group_size)
-    if fmt.name == "nf4":
-        from .nf4 import _bnb
-        _bnb()                                   # fail now, not after the dense weights are written
+    fmt.check_available()                        # fail now, not after the dense weights are written
     args = ModelArgs.from_dir(src)
     index = CheckpointIndex.open(src)
     layout = fmt.layout(args.moe_intermediate_size, args.hidden_size)
@@ -356,7 +282,7 @@ def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense:
                         f"(it is not an FP8 checkpoint): use --dense bf16")
     notes = [f"note: {src} has no MTP layer (model.layers.{args.mtp_layer_id}.*), so the output has none"] \
         if notice else []
-    return Plan(src, dst, args, index, fmt, layout, dense, moe_layers, entries, "sha256:" + digest.hexdigest(),
+    return QuantizePlan(src, dst, args, index, fmt, layout, dense, moe_layers, entries, "sha256:" + digest.hexdigest(),
                 expert_bytes, notes)
 
 
@@ -382,6 +308,7 @@ def _check_experts(meta: dict, args: ModelArgs, layout: BlobLayout, moe_layers: 
                     s = meta.get(name + "_scale_inv")
                     if s is None:
                         raise UserError(f"FP8 tensor {name} has no {name}_scale_inv")
+                    check_fp8_scale(name, v["shape"], s["shape"])
                     nbytes += entry_nbytes(s["dtype"], s["shape"])
             per_expert = nbytes if per_expert is None else per_expert
     return per_expert or 0
@@ -404,7 +331,7 @@ def _dense_entries(meta: dict, args: ModelArgs, dense: str) -> list[DenseEntry]:
                 raise UserError(f"FP8 tensor {name} has no {name}_scale_inv")
             out.append(DenseEntry(name + "_scale_inv", scale["dtype"], tuple(scale["shape"]), copy=True))
         else:
-            dtype = "F32" if name.endswith(_ROUTER_SUFFIXES) else "BF16"
+            dtype = "F32" if name.endswith(FP32_CHECKPOINT_SUFFIXES) else "BF16"
             out.append(DenseEntry(name, dtype, shape, copy=False))
     return out
 
@@ -433,7 +360,7 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
         for name in SIDE_FILES:
             if (plan.src / name).is_file():
                 shutil.copyfile(plan.src / name, plan.partial / name)
-        with SourceReader(plan.index) as reader:
+        with TensorReader(plan.index) as reader:
             if not state["dense_done"]:
                 _write_dense(plan, reader, progress)
                 state["dense_done"] = True
@@ -446,7 +373,7 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
     _atomic_write(plan.partial / MANIFEST, json.dumps(plan.manifest().to_json(), indent=2) + "\n")
     _finish(plan)
     dense_bytes = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
-    log(f"wrote {plan.dst}: {n_layers} MoE layers x {n_experts} experts as {_describe(plan.fmt.name, plan.fmt.group_size)} "
+    log(f"wrote {plan.dst}: {n_layers} MoE layers x {n_experts} experts as {plan.fmt.label} "
         f"({format_bytes(n_layers * n_experts * plan.layout.blob_bytes)}), dense {plan.dense} "
         f"({format_bytes(dense_bytes)}), in {time.perf_counter() - t_start:.1f}s")
     return plan.dst
@@ -459,7 +386,7 @@ def _only_ours(path: Path) -> bool:
             and all(p.is_file() and p.name.removesuffix(".tmp") in ours for p in path.iterdir()))
 
 
-def _prepare_dirs(plan: Plan, force: bool, resume: bool, log) -> dict:
+def _prepare_dirs(plan: QuantizePlan, force: bool, resume: bool, log) -> dict:
     """Checks DST and DST.partial; returns the progress state (fresh, or the one being resumed)."""
     dst, partial = plan.dst, plan.partial
     if dst.exists() or dst.is_symlink():
@@ -507,12 +434,12 @@ def _prepare_dirs(plan: Plan, force: bool, resume: bool, log) -> dict:
              "layers_done": []}
     _save_progress(partial, state)
     log(f"quantizing {plan.src} -> {plan.dst}: {len(plan.moe_layers)} MoE layers x {plan.args.n_routed_experts} "
-        f"experts as {_describe(plan.fmt.name, plan.fmt.group_size)} ({format_bytes(plan.layout.blob_bytes)} "
+        f"experts as {plan.fmt.label} ({format_bytes(plan.layout.blob_bytes)} "
         f"per expert), dense {plan.dense}")
     return state
 
 
-def _write_dense(plan: Plan, reader: SourceReader, progress: bool) -> None:
+def _write_dense(plan: QuantizePlan, reader: TensorReader, progress: bool) -> None:
     from tqdm import tqdm
 
     total = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
@@ -531,7 +458,7 @@ def _write_dense(plan: Plan, reader: SourceReader, progress: bool) -> None:
         out.sync()
 
 
-def _write_experts(plan: Plan, reader: SourceReader, state: dict, progress: bool, log) -> None:
+def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progress: bool, log) -> None:
     from tqdm import tqdm
 
     n_experts = plan.args.n_routed_experts
@@ -564,7 +491,7 @@ def _write_experts(plan: Plan, reader: SourceReader, state: dict, progress: bool
                 time.sleep(3600)
 
 
-def _finish(plan: Plan) -> None:
+def _finish(plan: QuantizePlan) -> None:
     """DST.partial -> DST (an existing DST that --force replaces goes only now, once the new one is complete)."""
     if plan.dst.exists():
         shutil.rmtree(plan.dst)

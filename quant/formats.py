@@ -1,53 +1,36 @@
-"""Routed-expert storage formats: the registry (`get_format`, `FORMATS`) and the bf16 format.
-
-Each format turns one expert's float weights into one aligned uint8 blob and back (see `layout.py`);
-fp8, int4 and nf4 live in their own modules.
+"""Routed-expert storage formats: the registry. A format is one module (a class deriving from
+`layout.ExpertFormat`) plus one line in FORMAT_CLASSES; the CLI's choices come from FORMATS.
 """
 from __future__ import annotations
 
-import torch
-
 from ..errors import UserError
+from .bf16 import Bf16Format
 from .fp8 import Fp8Format
 from .int4 import Int4Format
 from .layout import ALIGN, BlobLayout, Component, ExpertFormat, swiglu_ref
 from .nf4 import Nf4Format
 
-FORMATS = ("bf16", "fp8", "int4", "nf4")
+FORMAT_CLASSES: dict[str, type[ExpertFormat]] = {
+    "bf16": Bf16Format,
+    "fp8": Fp8Format,
+    "int4": Int4Format,
+    "nf4": Nf4Format,
+}
+FORMATS = tuple(FORMAT_CLASSES)
 
 
-class Bf16Format(ExpertFormat):
-    """Per matrix: `weight` bfloat16 [N, K]."""
-    name = "bf16"
-    group_size = None
-
-    def _parts(self, n: int, k: int):
-        return [("weight", "bfloat16", (n, k))]
-
-    def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"weight": w.to(torch.bfloat16)}
-
-    def _dequantize(self, parts, shape, dtype):
-        return parts["weight"].to(dtype)
-
-
-def get_format(name: str, group_size: int = 128) -> ExpertFormat:
-    """The expert format called `name` ("bf16" | "fp8" | "int4" | "nf4"); `group_size` applies to int4 only."""
-    if name == "bf16":
-        return Bf16Format()
-    if name == "fp8":
-        return Fp8Format()
-    if name == "int4":
-        return Int4Format(group_size)
-    if name == "nf4":
-        return Nf4Format()
-    raise UserError(f"unknown expert format {name!r}: use one of {', '.join(FORMATS)}")
+def get_format(name: str, group_size: int | None = None) -> ExpertFormat:
+    """The expert format called `name` (one of FORMATS); `group_size` applies where the format has one."""
+    cls = FORMAT_CLASSES.get(name)
+    if cls is None:
+        raise UserError(f"unknown expert format {name!r}: use one of {', '.join(FORMATS)}")
+    return cls.create(group_size)
 
 
 def format_for_layout(layout: BlobLayout) -> ExpertFormat:
     """The format that reads blobs of `layout` (e.g. one loaded from a manifest)."""
-    return get_format(layout.format, layout.group_size if layout.format == "int4" else 128)
+    return get_format(layout.format, layout.group_size)
 
 
-__all__ = ["ALIGN", "FORMATS", "BlobLayout", "Bf16Format", "Component", "ExpertFormat", "Fp8Format",
-           "Int4Format", "Nf4Format", "format_for_layout", "get_format", "swiglu_ref"]
+__all__ = ["ALIGN", "FORMATS", "FORMAT_CLASSES", "BlobLayout", "Bf16Format", "Component", "ExpertFormat",
+           "Fp8Format", "Int4Format", "Nf4Format", "format_for_layout", "get_format", "swiglu_ref"]

@@ -49,6 +49,7 @@ def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = tor
 class Fp8Format(ExpertFormat):
     """Per matrix: `weight` float8_e4m3fn [N, K] and `scale` float32 [ceil(N/128), ceil(K/128)]."""
     name = "fp8"
+    fp8_passthrough = True
     group_size = BLOCK
 
     def _parts(self, n: int, k: int):

@@ -126,6 +126,14 @@ class Int4Format(ExpertFormat):
     """Per matrix: `qweight` uint8 [N, Kp/2], `scales` and `zeros` float16 [N, Kp/g]."""
     name = "int4"
 
+    @classmethod
+    def create(cls, group_size: int | None = None) -> "Int4Format":
+        return cls(group_size or 128)
+
+    @property
+    def label(self) -> str:
+        return f"int4 (group {self.group_size})"
+
     def __init__(self, group_size: int = 128, clip_search: bool = True) -> None:
         super().__init__()
         if group_size not in GROUP_SIZES:

@@ -142,6 +142,20 @@ class ExpertFormat:
     name: str = ""
     group_size: int | None = None
     fused_kernel: bool = True          # the Triton fused MoE kernel reads this format's blobs from the slot pool
+    fp8_passthrough: bool = False      # packs a DeepSeek FP8 source's bytes and block scales as they are
+
+    @classmethod
+    def create(cls, group_size: int | None = None) -> "ExpertFormat":
+        """The format with `group_size` where it has one (formats without a group size ignore it)."""
+        return cls()
+
+    @property
+    def label(self) -> str:
+        """How messages name it: "int4 (group 128)", "fp8", ..."""
+        return self.name
+
+    def check_available(self) -> None:
+        """Raise UserError now if this format cannot run here (a missing library), before any work."""
 
     def __init__(self) -> None:
         self._layouts: dict[int, list[BlobLayout]] = {}  # blob_bytes -> layouts built, for unpack(blob)

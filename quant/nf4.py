@@ -66,6 +66,9 @@ class Nf4Format(ExpertFormat):
     fused_kernel = False               # computed with bitsandbytes' own kernels
     group_size = BLOCKSIZE
 
+    def check_available(self) -> None:
+        _bnb()
+
     def _parts(self, n: int, k: int):
         numel = n * k
         return [("qweight", "uint8", (-(-numel // 2),)), ("absmax", "float32", (-(-numel // BLOCKSIZE),))]
@@ -85,15 +88,21 @@ class Nf4Format(ExpertFormat):
         out = []
         for m in MATRICES:
             shape = layout.matrix_shape(m)
-            state = _quant_state(layout.view(blob, f"{m}.absmax"), shape, dtype)
+            # blocks run over the flattened matrix: dequantize it as one row (bitsandbytes' CPU kernel blocks
+            # each row on its own, which differs when a row is not a whole number of blocks)
+            flat = (shape[0] * shape[1],)
+            state = _quant_state(layout.view(blob, f"{m}.absmax"), flat, dtype)
             qweight = layout.view(blob, f"{m}.qweight").view(-1, 1)
-            out.append(bnb.functional.dequantize_4bit(qweight, state))
+            out.append(bnb.functional.dequantize_4bit(qweight, state).view(shape))
         return tuple(out)
 
     def expert_forward(self, blob: torch.Tensor, x: torch.Tensor, layout: BlobLayout | None = None) -> torch.Tensor:
         """SwiGLU through bitsandbytes' matmul_4bit on the packed weights (its own kernels on GPU)."""
         bnb = _bnb()
         layout = self._resolve(blob, layout)
+        if x.device.type == "cpu" and (layout.hidden % BLOCKSIZE or layout.inter % BLOCKSIZE):
+            # bitsandbytes' CPU kernel blocks each row on its own: rows that are not whole blocks need the twin
+            return self.expert_forward_ref(blob, x, layout)
 
         def linear(inp, m):
             state = _quant_state(layout.view(blob, f"{m}.absmax"), layout.matrix_shape(m), x.dtype)

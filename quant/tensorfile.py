@@ -4,7 +4,8 @@
 and then fills tensors (or single rows of a tensor: one expert's blob) at their offsets, holding
 only what it is writing. The files are ordinary safetensors (any reader opens them); the data section
 starts on a DATA_ALIGN boundary so a mapped row of blobs keeps the alignment its layout promises.
-`tensor_spans` gives the absolute byte range of each tensor, for zero-copy memory maps.
+`read_header` and `tensor_spans` read a file's header back (the absolute byte range of each tensor, for
+pread and zero-copy memory maps), with one clear error when a file is damaged.
 """
 from __future__ import annotations
 
@@ -66,10 +67,32 @@ def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict
     return head, spans, len(head) + offset
 
 
+MAX_HEADER_BYTES = 100 * 2**20
+
+
+def read_header(path: Path) -> dict:
+    """The safetensors header of `path` (name -> {dtype, shape, data_offsets}); a clear error when it is damaged."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError("file is shorter than a safetensors header")
+            n = int.from_bytes(raw, "little")
+            size = path.stat().st_size
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                raise ValueError(f"header length {n} does not fit a {size}-byte file")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"truncated: tensors need {8 + n + end} bytes, file has {size}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    header.pop("__metadata__", None)
+    return header
+
+
 def tensor_spans(path: Path) -> dict[str, TensorSpan]:
     """name -> absolute span for every tensor of a safetensors file; a clear error when it is damaged."""
-    from ..loader import read_header
-
     header = read_header(path)
     with open(path, "rb") as f:
         start = 8 + int.from_bytes(f.read(8), "little")

@@ -60,8 +60,8 @@ def validation(llm, ids: list[int], n_chars: int, batch: int = 8) -> dict:
     bos = llm.tokenizer.bos_id
     full = torch.tensor([bos] + ids)
     moes = model.moe_modules()
-    for moe in moes:
-        moe.record_routing = True
+    last: dict[int, torch.Tensor] = {}          # MoE layer id -> ids [N, K] of its last call
+    watch = model.add_observer(on_routing=lambda layer_id, ids, scores: last.__setitem__(layer_id, ids))
     loads = [torch.zeros(moe.gate.weight.shape[0]) for moe in moes]
     nats, n_tok, main_hits, mtp_hits, mtp_agree, n_mtp = 0.0, 0, 0, 0, 0, 0
     spans = list(windows(len(ids)))
@@ -76,9 +76,9 @@ def validation(llm, ids: list[int], n_chars: int, batch: int = 8) -> dict:
             x, y = seqs[:, :-1], seqs[:, 1:]
             h = model.hidden(x)
             logits = model.head(h).float()                             # [b, L, V]
-            routing = [moe.last_routing[1].view(len(part), length, -1) for moe in moes[:-1]]
+            routing = [last[moe.layer_id].view(len(part), length, -1) for moe in moes[:-1]]
             mtp_logits = model.head(model.mtp_hidden(h, y)).float()   # position j predicts seqs[j + 2]
-            routing.append(moes[-1].last_routing[1].view(len(part), length, -1))
+            routing.append(last[moes[-1].layer_id].view(len(part), length, -1))
             lp = F.log_softmax(logits, -1).gather(-1, y[..., None])[..., 0]
             main_top = logits.argmax(-1)
             mtp_top = mtp_logits.argmax(-1)
@@ -93,8 +93,7 @@ def validation(llm, ids: list[int], n_chars: int, batch: int = 8) -> dict:
                 n_mtp += max(0, m1 - j0)
                 for load, ids_l in zip(loads, routing):
                     load += torch.bincount(ids_l[r, j0:j1].flatten(), minlength=load.numel()).float()
-    for moe in moes:
-        moe.record_routing, moe.last_routing = False, None
+    watch.remove()
     layer_ids = [moe.layer_id for moe in moes]
     balance = {f"layer {i}" + (" (MTP)" if i == model.args.mtp_layer_id else ""): round((l.max() / l.mean()).item(), 3)
                for i, l in zip(layer_ids, loads)}

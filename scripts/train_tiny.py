@@ -39,8 +39,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from dsv3lite.config import ModelArgs
-from dsv3lite.loader import checkpoint_state_dict
-from dsv3lite.model import Gate, MoE, RoutedExperts, Transformer, init_weights
+from dsv3lite.hf_checkpoint import checkpoint_state_dict
+from dsv3lite.model import Gate, RoutedExperts, Transformer, init_weights
 from dsv3lite.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -234,12 +234,12 @@ class Batches:
 
 # --- losses ----------------------------------------------------------------------------------------
 
-def seq_balance_sum(moe: MoE, batch: int, seq_len: int, top_k: int) -> torch.Tensor:
+def seq_balance_sum(routing: tuple[torch.Tensor, torch.Tensor], batch: int, seq_len: int, top_k: int) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance term sum_e f_e * P_e of one MoE, summed over the sequences.
 
     f_e = E / (K T) * (tokens of the sequence routed to e); P_e = mean over the sequence of the
     normalised affinity s_e / sum_j s_j (the unbiased sigmoid scores)."""
-    scores, ids = moe.last_routing
+    scores, ids = routing
     n_experts = scores.shape[-1]
     probs = (scores / scores.sum(-1, keepdim=True)).view(batch, seq_len, n_experts).mean(1)
     counts = torch.zeros(batch, n_experts, device=ids.device)
@@ -269,7 +269,8 @@ def compute_losses(model: Transformer, tokens: torch.Tensor, mask: torch.Tensor,
     logits = model.head(h_mtp).flatten(0, 1).float()
     mtp = F.cross_entropy(logits, y2.flatten(), ignore_index=IGNORE, reduction="sum") / norms[1]
     k = model.args.num_experts_per_tok
-    balance = sum(seq_balance_sum(moe, bsz, seq_len, k) for moe in model.moe_modules()) / norms[2]
+    balance = sum(seq_balance_sum(model.last_routing[moe.layer_id], bsz, seq_len, k)
+                  for moe in model.moe_modules()) / norms[2]
     return main, mtp, balance
 
 
@@ -277,9 +278,9 @@ def expert_loads(model: Transformer) -> torch.Tensor:
     """Tokens per routed expert in the last forward, [n_moe, E] (float), from the recorded routing."""
     loads = []
     for moe in model.moe_modules():
-        _, ids = moe.last_routing
+        _, ids = model.last_routing[moe.layer_id]
         loads.append(torch.bincount(ids.flatten(), minlength=moe.gate.bias.numel()).float())
-        moe.last_routing = None
+    model.last_routing.clear()
     return torch.stack(loads)
 
 
@@ -322,8 +323,8 @@ def build_model(seed: int, device: torch.device) -> Transformer:
     torch.manual_seed(seed)
     model = init_weights(Transformer(args, with_mtp=True)).to(device)
     swap_experts(model, TrainExperts)
-    for moe in model.moe_modules():
-        moe.record_routing = True
+    model.last_routing = {}                 # MoE layer id -> (scores [N, E], ids [N, K]) of the last forward
+    model.add_observer(on_routing=lambda layer_id, ids, scores: model.last_routing.__setitem__(layer_id, (scores, ids)))
     return model.train()
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import dsv3lite
 from dsv3lite import DEMO_DIR
 from dsv3lite.config import ModelArgs
-from dsv3lite.loader import read_header
+from dsv3lite.quant.tensorfile import read_header
 
 CARD = DEMO_DIR / "README.md"
 QUIET = dict(progress=False, log=lambda m: None)

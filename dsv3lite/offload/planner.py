@@ -12,15 +12,16 @@ from dataclasses import dataclass, field
 from ..config import ModelArgs
 from ..errors import UserError
 from ..footprint import footprint
+from ..limits import PREFILL_CHUNK
 from ..utils import format_bytes
 
-PREFILL_CHUNK = 512          # tokens per prefill chunk on an offloaded model (workspace sizing)
+
 SLACK_BYTES = 64 * 2**20     # allocator rounding and small temporaries
 MIN_SLOTS_PER_TOPK = 2       # slots >= 2 * top-k: a 2-token MTP verify may touch 2K experts of one layer
 
 
 @dataclass
-class Plan:
+class OffloadPlan:
     budget: int
     components: dict[str, int]          # resident bytes per component
     kv_cache: int
@@ -86,14 +87,14 @@ def workspace_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
 
 
 def make_plan(a: ModelArgs, budget: int, ctx_size: int, slot_bytes: int, expert_format: str,
-              dense_bytes: int = 2, mtp: bool = True, kv_bytes: int | None = None) -> Plan:
+              dense_bytes: int = 2, mtp: bool = True, kv_bytes: int | None = None) -> OffloadPlan:
     """Place everything resident; the rest of `budget` becomes expert slots. Too small -> UserError."""
     mtp = mtp and a.num_nextn_predict_layers > 0
     n_blocks = a.num_hidden_layers + (1 if mtp else 0)
     kv = n_blocks * ctx_size * a.latent_dim * (kv_bytes or dense_bytes)
     comps = resident_components(a, dense_bytes, mtp)
     n_moe = len(a.moe_layer_ids) + (1 if mtp else 0)
-    plan = Plan(budget=budget, components=comps, kv_cache=kv, workspace=workspace_bytes(a, ctx_size, dense_bytes),
+    plan = OffloadPlan(budget=budget, components=comps, kv_cache=kv, workspace=workspace_bytes(a, ctx_size, dense_bytes),
                 slot_bytes=slot_bytes, n_slots=0, total_experts=n_moe * a.n_routed_experts,
                 expert_format=expert_format, ctx_size=ctx_size)
     free = budget - plan.resident

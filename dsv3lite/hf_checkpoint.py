@@ -1,0 +1,285 @@
+"""The HF checkpoint layout, in one place: tensor names (and their reverse), which shard holds what, one
+safetensors reader (headers, dtypes and shapes, FP8 scale grids) and whether the MTP layer is present.
+
+The loader, `quantize` and the planner all read checkpoints through this module.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import ModelArgs
+from .errors import UserError
+from .quant.fp8 import scale_grid_shape
+from .quant.tensorfile import DTYPES, TensorSpan, entry_nbytes, read_header, tensor_spans
+
+# ---- names: checkpoint name <-> module name -------------------------------------------------------------
+
+# checkpoint suffix (inside model.layers.N.) -> module suffix (inside layers.N.)
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_a_proj.weight": "attn.wq_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn.q_norm.weight",
+    "self_attn.q_b_proj.weight": "attn.wq_b.weight",
+    "self_attn.q_proj.weight": "attn.wq.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn.wkv_a.weight",
+    "self_attn.kv_a_layernorm.weight": "attn.kv_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn.wkv_b.weight",
+    "self_attn.o_proj.weight": "attn.wo.weight",
+    "mlp.gate_proj.weight": "ffn.w1.weight",
+    "mlp.up_proj.weight": "ffn.w3.weight",
+    "mlp.down_proj.weight": "ffn.w2.weight",
+    "mlp.gate.weight": "ffn.gate.weight",
+    "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
+}
+# routed experts: model.layers.N.mlp.experts.E.<proj>.weight -> layers.N.ffn.experts.<w>[E]
+EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+PROJECTIONS = tuple(EXPERT_NAMES)              # gate, up, down: the order of quant.layout.MATRICES
+# parts of the MTP layer that are not a decoder block
+MTP_NAMES = {
+    "enorm.weight": "mtp.enorm.weight",
+    "hnorm.weight": "mtp.hnorm.weight",
+    "eh_proj.weight": "mtp.eh_proj.weight",
+    "shared_head.norm.weight": "mtp.head_norm.weight",
+}
+# copies of the main embedding / head inside the MTP layer: the main tensors are used instead
+MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+TOP_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "head.weight",
+}
+# kept in fp32 whatever the compute dtype (as transformers does): module and checkpoint suffixes
+FP32_MODULE_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")
+FP32_CHECKPOINT_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+_REVERSE = {table_id: {v: k for k, v in t.items()} for table_id, t in
+            (("layer", LAYER_NAMES), ("expert", EXPERT_NAMES), ("mtp", MTP_NAMES), ("top", TOP_NAMES))}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass
+class Target:
+    """Where a checkpoint tensor goes: a module tensor, or one expert's slice of a stacked tensor."""
+    name: str
+    expert: int | None = None
+
+
+def expert_tensor_name(layer_id: int, expert: int, proj: str) -> str:
+    return f"model.layers.{layer_id}.mlp.experts.{expert}.{proj}.weight"
+
+
+def map_name(ckpt_name: str, args: ModelArgs) -> Target | None:
+    """Checkpoint name -> Target; None for tensors that are deliberately not loaded (MTP copies)."""
+    if ckpt_name in TOP_NAMES:
+        return Target(TOP_NAMES[ckpt_name])
+    m = _LAYER_RE.match(ckpt_name)
+    if not m:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer == args.mtp_layer_id and args.num_nextn_predict_layers >= 1:
+        if rest in MTP_NAMES:
+            return Target(MTP_NAMES[rest])
+        if rest in MTP_SHARED:
+            return None
+        prefix = "mtp.block."
+    elif layer >= args.mtp_layer_id:
+        return None                                   # further MTP modules are not used
+    else:
+        prefix = f"layers.{layer}."
+    e = _EXPERT_RE.match(rest)
+    if e:
+        return Target(prefix + "ffn.experts." + EXPERT_NAMES[e.group(2)], int(e.group(1)))
+    if rest in LAYER_NAMES:
+        return Target(prefix + LAYER_NAMES[rest])
+    return None
+
+
+def checkpoint_name(module_name: str, args: ModelArgs, expert: int | str = "<e>") -> str:
+    """The reverse of `map_name`: module tensor name -> checkpoint name (routed experts: of expert `expert`)."""
+    if module_name in _REVERSE["top"]:
+        return _REVERSE["top"][module_name]
+    if module_name in _REVERSE["mtp"]:
+        return f"model.layers.{args.mtp_layer_id}.{_REVERSE['mtp'][module_name]}"
+    if module_name.startswith("mtp.block."):
+        layer, rest = args.mtp_layer_id, module_name[len("mtp.block."):]
+    elif module_name.startswith("layers."):
+        _, layer, rest = module_name.split(".", 2)
+    else:
+        return module_name
+    if rest.startswith("ffn.experts."):
+        return expert_tensor_name(int(layer), expert, _REVERSE["expert"][rest.rsplit(".", 1)[1]])
+    return f"model.layers.{layer}.{_REVERSE['layer'].get(rest, rest)}"
+
+
+def checkpoint_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's tensors under HF checkpoint names: routed experts are split per expert and the MTP layer is
+    written as model.layers.{num_hidden_layers}.* (without the copies of the embedding and head, which readers
+    take from the main model)."""
+    args = model.args
+    tensors = dict(model.named_parameters())
+    tensors.update({n: b for n, b in model.named_buffers() if b is not None and not n.startswith("rotary")})
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        t = t.detach()
+        if ".ffn.experts." in name:
+            for e in range(t.shape[0]):
+                out[checkpoint_name(name, args, e)] = t[e]
+        else:
+            out[checkpoint_name(name, args)] = t
+    if args.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+# ---- which shard holds what ----------------------------------------------------------------------------
+
+@dataclass
+class CheckpointIndex:
+    """Which file holds each tensor of a safetensors checkpoint directory."""
+    root: Path
+    files: dict[str, Path] = field(default_factory=dict)        # tensor name -> file
+
+    @classmethod
+    def open(cls, root: Path) -> "CheckpointIndex":
+        root = Path(root)
+        idx = cls(root)
+        index_file = root / "model.safetensors.index.json"
+        if index_file.exists():
+            try:
+                weight_map = json.loads(index_file.read_text())["weight_map"]
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+                raise UserError(f"corrupt {index_file}: {e}") from None
+            for name, fname in weight_map.items():
+                idx.files[name] = root / fname
+            for f in set(idx.files.values()):
+                if not f.exists():
+                    raise UserError(f"{index_file.name} names {f.name}, which is missing from {root}")
+            return idx
+        shards = sorted(root.glob("*.safetensors"))
+        if not shards:
+            raise UserError(f"no *.safetensors files in {root}")
+        for f in shards:
+            for name in read_header(f):
+                idx.files[name] = f
+        return idx
+
+    def shards(self) -> list[Path]:
+        return sorted(set(self.files.values()))
+
+    def headers(self) -> dict[str, dict]:
+        """name -> {dtype, shape, data_offsets} for every tensor the index places in a shard, checked to be there."""
+        meta: dict[str, dict] = {}
+        for shard in self.shards():
+            header = read_header(shard)
+            meta.update({n: v for n, v in header.items() if self.files.get(n) == shard})
+        for name in self.files:
+            if name not in meta:
+                raise UserError(f"the checkpoint index names {name}, but {self.files[name].name} does not hold it")
+        return meta
+
+
+def mtp_status(index: CheckpointIndex, args: ModelArgs) -> tuple[bool, str | None]:
+    """(MTP layer present?, notice). A wholly absent MTP layer turns MTP off; a partly present one is an error.
+    Works for HF and dsv3lite-quantized directories alike (both keep the MTP layer's own tensors by HF name)."""
+    if args.num_nextn_predict_layers < 1:
+        return False, None
+    prefix = f"model.layers.{args.mtp_layer_id}."
+    present = {n for n in index.files if n.startswith(prefix)}
+    if not present:
+        return False, (f"note: config declares {args.num_nextn_predict_layers} MTP layer(s) but the checkpoint has no "
+                       f"model.layers.{args.mtp_layer_id}.* tensors; MTP speculative decoding is off")
+    for name in MTP_NAMES:
+        if prefix + name not in present:
+            raise UserError(f"checkpoint has a partial MTP layer: {prefix + name} is missing")
+    return True, None
+
+
+def has_mtp(root: Path, args: ModelArgs) -> bool:
+    """Whether the checkpoint at `root` carries the MTP layer its config declares (see mtp_status)."""
+    return args.num_nextn_predict_layers >= 1 and mtp_status(CheckpointIndex.open(root), args)[0]
+
+
+# ---- reading tensors --------------------------------------------------------------------------------------
+
+def check_fp8_scale(name: str, weight_shape, scale_shape) -> None:
+    grid = scale_grid_shape(*weight_shape)
+    if tuple(scale_shape) != grid:
+        raise UserError(f"{name}_scale_inv has shape {tuple(scale_shape)}, expected {grid} "
+                        f"for a {tuple(weight_shape)} weight with 128x128 blocks")
+
+
+class TensorReader:
+    """Tensors of a checkpoint read one at a time with pread at the offsets of the safetensors headers, into
+    memory of their own. (safetensors' safe_open maps the shard, and every page a read touches stays in the
+    process's RSS until the handle closes: +1 expert per expert read, measured.)"""
+
+    def __init__(self, index: CheckpointIndex):
+        self.index = index
+        self._shards: dict[Path, tuple[int, dict[str, TensorSpan]]] = {}   # shard -> (fd, name -> span)
+
+    def _locate(self, name: str) -> tuple[int, TensorSpan, Path]:
+        shard = self.index.files.get(name)
+        if shard is None:
+            raise UserError(f"checkpoint is missing tensor {name}")
+        if shard not in self._shards:
+            spans = tensor_spans(shard)
+            try:
+                self._shards[shard] = (os.open(shard, os.O_RDONLY), spans)
+            except OSError as e:
+                raise UserError(f"cannot read {shard}: {e.strerror}") from None
+        fd, spans = self._shards[shard]
+        if name not in spans:
+            raise UserError(f"{shard.name} does not hold {name}, which the checkpoint index places there")
+        return fd, spans[name], shard
+
+    def has(self, name: str) -> bool:
+        return name in self.index.files
+
+    def get(self, name: str) -> torch.Tensor:
+        fd, span, shard = self._locate(name)
+        dtype = DTYPES.get(span.dtype)
+        if dtype is None or span.nbytes != entry_nbytes(span.dtype, span.shape):
+            raise UserError(f"tensor {name} in {shard.name}: unsupported dtype {span.dtype} or inconsistent size")
+        buf = torch.empty(span.nbytes, dtype=torch.uint8)
+        view, offset = memoryview(buf.numpy()), span.start
+        while view.nbytes:
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise UserError(f"cannot read tensor {name}: {shard.name} is truncated")
+            view, offset = view[n:], offset + n
+        return buf.view(dtype).view(span.shape)
+
+    def weight(self, name: str, shape: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, its FP8 block scale_inv in fp32, or None for a float weight), shapes checked."""
+        w = self.get(name)
+        if shape is not None and tuple(w.shape) != tuple(shape):
+            raise UserError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)} from config.json")
+        if w.dtype != torch.float8_e4m3fn:
+            return w, None
+        if not self.has(name + "_scale_inv"):
+            raise UserError(f"FP8 tensor {name} has no {name}_scale_inv")
+        s = self.get(name + "_scale_inv")
+        check_fp8_scale(name, w.shape, s.shape)
+        return w, s.float()
+
+    def close(self) -> None:
+        for fd, _ in self._shards.values():
+            os.close(fd)
+        self._shards.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
