@@ -65,7 +65,11 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
         log(f"note: --ctx-size {ctx_size} exceeds the model's max_position_embeddings "
             f"({args.max_position_embeddings}); using {args.max_position_embeddings}")
         ctx_size = args.max_position_embeddings
-    tokenizer = Tokenizer.from_dir(root)
+    tokenizer = None
+    if (root / "tokenizer.json").is_file() or (root / "tiktoken.model").is_file():
+        tokenizer = Tokenizer.from_dir(root)
+    else:
+        log(f"note: {root} has no tokenizer.json: the model takes and returns token ids only")
     t0 = time.perf_counter()
     offload = None
     if gpu_mem is not None or dev.type == "cuda":

@@ -174,7 +174,7 @@ class Engine:
         """Stream the completion of `prompt` (str, BOS added, or list[int] used as given)."""
         params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, stop or [])
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_bos=True)
+            ids = self._text_tokenizer("a text prompt").encode(prompt, add_bos=True)
         else:
             ids = [int(t) for t in prompt]
         return self._generate(ids, params)
@@ -182,7 +182,7 @@ class Engine:
     def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, stop=None) -> Iterator[Chunk]:
         """Stream the assistant's reply to `messages` (rendered with the checkpoint's chat template)."""
-        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        ids = self._text_tokenizer("chat").encode_chat(messages, add_generation_prompt=True)
         params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, stop or [])
         return self._generate(ids, params)
 
@@ -223,6 +223,12 @@ class Engine:
         }
 
     # --- internals ----------------------------------------------------------------------------
+    def _text_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise UserError(f"{what} needs a tokenizer, and {self.weights or 'this checkpoint'} has no tokenizer.json: "
+                            f"pass token ids (a list of ints) instead")
+        return self.tokenizer
+
     def _memory(self) -> dict:
         import psutil
         out = {"host_rss_bytes": psutil.Process().memory_info().rss}

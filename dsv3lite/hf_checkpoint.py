@@ -205,6 +205,12 @@ def mtp_status(index: CheckpointIndex, args: ModelArgs) -> tuple[bool, str | Non
     return True, None
 
 
+def has_weights(root: Path) -> bool:
+    """Whether `root` holds any safetensors weights (or an index naming them) at all."""
+    root = Path(root)
+    return (root / "model.safetensors.index.json").exists() or any(root.glob("*.safetensors"))
+
+
 def has_mtp(root: Path, args: ModelArgs) -> bool:
     """Whether the checkpoint at `root` carries the MTP layer its config declares (see mtp_status)."""
     return args.num_nextn_predict_layers >= 1 and mtp_status(CheckpointIndex.open(root), args)[0]

@@ -12,7 +12,7 @@ import torch
 from ..config import ModelArgs
 from ..errors import UserError
 from ..experts import ExpertSource, expert_source
-from ..hf_checkpoint import has_mtp
+from ..hf_checkpoint import has_mtp, has_weights
 from ..utils import format_bytes, parse_size
 from .options import OffloadOptions
 from .planner import OffloadPlan, make_plan
@@ -44,11 +44,15 @@ def plan_for(root: Path, args: ModelArgs, budget: int, ctx_size: int, experts: s
              dtype: torch.dtype) -> tuple[OffloadPlan, ExpertSource, bool]:
     """(plan, where the experts come from, whether the MTP layer runs) for a budget, without reading weights."""
     source = expert_source(root, args, experts, blobs_required=True)
-    with_mtp = mtp and has_mtp(root, args)
+    weights_here = has_weights(root)
+    with_mtp = mtp and (has_mtp(root, args) if weights_here else args.num_nextn_predict_layers >= 1)
     dense_bytes = torch.empty((), dtype=dtype).element_size()
     plan = make_plan(args, budget, ctx_size, source.layout.blob_bytes, source.fmt.name, dense_bytes=dense_bytes,
                      mtp=with_mtp)
-    if not with_mtp and args.num_nextn_predict_layers and mtp:
+    if not weights_here:
+        plan.notes.append(f"no weights in {root}: planned from config.json alone"
+                          + (" (with the MTP layer the config declares)" if with_mtp else ""))
+    elif not with_mtp and args.num_nextn_predict_layers and mtp:
         plan.notes.append("the checkpoint has no MTP weights: MTP is off")
     return plan, source, with_mtp
 

@@ -1,0 +1,44 @@
+"""Sizing a model before its weights are downloaded, and loading a checkpoint that has no tokenizer."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import dsv3lite
+from dsv3lite.config import ModelArgs
+from dsv3lite.errors import UserError
+from dsv3lite.offload.setup import plan_for
+
+
+def test_plan_from_config_alone_assumes_the_declared_mtp_layer(tmp_path, v3_dir):
+    only_config = tmp_path / "config-only"
+    only_config.mkdir()
+    shutil.copy(v3_dir / "config.json", only_config / "config.json")
+    args = ModelArgs.from_dir(only_config)
+    assert args.num_nextn_predict_layers == 1
+    plan, source, with_mtp = plan_for(only_config, args, 1 << 40, 160, "int4", True, torch.float32)
+    assert with_mtp and source.fmt.name == "int4"
+    assert any("config.json alone" in n and "MTP" in n for n in plan.notes)
+    # with the weights present the checkpoint decides: the fixture has no MTP tensors
+    plan, _, with_mtp = plan_for(v3_dir, args, 1 << 40, 160, "int4", True, torch.float32)
+    assert not with_mtp and any("no MTP weights" in n for n in plan.notes)
+    assert plan.total_experts < plan_for(only_config, args, 1 << 40, 160, "int4", True, torch.float32)[0].total_experts
+
+
+def test_a_checkpoint_without_tokenizer_loads_for_token_ids(tmp_path, v3_dir):
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(v3_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    notes = []
+    llm = dsv3lite.load(bare, device="cpu", progress=False, log=notes.append)
+    ref = dsv3lite.load(v3_dir, device="cpu", progress=False, log=lambda m: None)
+    assert llm.tokenizer is None and any("no tokenizer.json" in n for n in notes)
+    ids = [1, 5, 9, 42, 7]
+    torch.testing.assert_close(llm.forward([ids]), ref.forward([ids]), rtol=0, atol=0)
+    got = [c.token_id for c in llm.generate(ids, max_tokens=6)]
+    assert got == [c.token_id for c in ref.generate(ids, max_tokens=6)] and len(got) >= 1
+    with pytest.raises(UserError, match="needs a tokenizer"):
+        list(llm.generate("hello", max_tokens=2))
+    with pytest.raises(UserError, match="needs a tokenizer"):
+        list(llm.chat([{"role": "user", "content": "hi"}], max_tokens=2))
