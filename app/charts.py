@@ -6,6 +6,9 @@ import html
 import struct
 import zlib
 
+ROW_PX = 16          # heat-map row height (until the chart reaches its maximum height)
+LABEL_PX = 14        # vertical room one 11 px label needs
+
 # a few stops of a perceptual dark-blue -> green -> yellow colour map (viridis-like)
 _STOPS = [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)]
 
@@ -29,8 +32,11 @@ def _png(rows: list[bytes], width: int) -> bytes:
 
 
 def _ticks(n: int, most: int) -> list[int]:
-    step = max(1, -(-n // most))
-    return sorted(set(list(range(0, n, step)) + [n - 1]))
+    """At most `most` evenly spaced indices of 0..n-1, the last one included (a regular tick too close to it
+    is dropped, so their labels never overlap)."""
+    step = max(1, -(-n // max(most, 1)))
+    ticks = [i for i in range(0, n, step) if n - 1 - i >= step]
+    return sorted(set(ticks + [n - 1]))
 
 
 def heatmap_svg(counts: list[list[int]], row_labels: list[str], title: str) -> str:
@@ -42,18 +48,19 @@ def heatmap_svg(counts: list[list[int]], row_labels: list[str], title: str) -> s
     rows = [bytes(v for c in r for v in _colour(c / top)) for r in counts]
     image = base64.b64encode(_png(rows, n_cols)).decode()
     left, right, head, foot = 56, 70, 28, 36
-    w, h = 560, max(120, min(18 * n_rows, 420))
-    plot_w, plot_h = w - left - right, h - head - foot
+    w = 560
+    plot_w, plot_h = w - left - right, min(max(ROW_PX * n_rows, 64), 420)   # rows of >= ROW_PX until 420 px
+    h = plot_h + head + foot
     cw, rh = plot_w / n_cols, plot_h / n_rows
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" width="100%" role="img" '
              f'font-family="sans-serif" font-size="11">',
              f'<text x="{w / 2}" y="16" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
              f'<image x="{left}" y="{head}" width="{plot_w}" height="{plot_h}" preserveAspectRatio="none" '
              f'style="image-rendering:pixelated" href="data:image/png;base64,{image}"/>']
-    for r in _ticks(n_rows, 16):
+    for r in _ticks(n_rows, int(plot_h // LABEL_PX)):
         parts.append(f'<text x="{left - 6}" y="{head + (r + 0.5) * rh + 4:.1f}" text-anchor="end">'
                      f'{html.escape(row_labels[r])}</text>')
-    for c in _ticks(n_cols, 12):
+    for c in _ticks(n_cols, int(plot_w // (3 * LABEL_PX))):
         parts.append(f'<text x="{left + (c + 0.5) * cw:.1f}" y="{head + plot_h + 14}" text-anchor="middle">{c}</text>')
     parts.append(f'<text x="{left + plot_w / 2}" y="{h - 4}" text-anchor="middle">expert</text>')
     parts.append(f'<text x="12" y="{head + plot_h / 2}" text-anchor="middle" '

@@ -18,9 +18,10 @@ class APIError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers                # extra response headers (Allow on a 405, ...)
         self.type = type or ("server_error" if status >= 500 else "authentication_error" if status == 401
                              else "invalid_request_error")
 

@@ -30,6 +30,9 @@ class Job:
         self.error: BaseException | None = None
         self.stats: dict | None = None        # engine.stats() right after this job
         self.tokens = 0
+        self.unknown_tokens = 0               # ids past the tokenizer's vocabulary (they decode to nothing)
+        self.finish_reason: str | None = None
+        self.routing: list[list[int]] | None = None   # tokens per (MoE layer, expert) of this job, when counted
         self.t_start = self.t_first = None
 
     def cancel(self) -> None:
@@ -53,44 +56,39 @@ class Job:
 
 
 class RoutingRecorder:
-    """Counts, per MoE layer and expert, the tokens routed there during one job (for the UI's heat map).
-
-    A forward hook on each MoE module reads the ids the module keeps when `record_routing` is on."""
+    """Counts, per MoE layer and expert, the tokens routed there during one job (for the UI's heat map), from the
+    model's routing observer."""
 
     def __init__(self, model):
         import torch
 
-        self.modules = model.moe_modules()
-        self.layer_ids = [m.layer_id for m in self.modules]
-        n_experts = model.args.n_routed_experts
+        self.layer_ids = [m.layer_id for m in model.moe_modules()]
+        self._rows = {layer: row for row, layer in enumerate(self.layer_ids)}
+        self._n_experts = model.args.n_routed_experts
         device = next(model.parameters()).device
-        self.counts = torch.zeros(len(self.modules), n_experts, dtype=torch.long, device=device)
-        self.last: list[list[int]] | None = None
-        for row, module in enumerate(self.modules):
-            module.record_routing = True
-            module.register_forward_hook(self._hook(row, n_experts))
+        self.counts = torch.zeros(len(self.layer_ids), self._n_experts, dtype=torch.long, device=device)
+        self._handle = model.add_observer(on_routing=self._on_routing)
 
-    def _hook(self, row: int, n_experts: int):
-        def hook(module, inputs, output):
-            if module.last_routing is not None:
-                ids = module.last_routing[1]
-                self.counts[row] += ids.flatten().bincount(minlength=n_experts)[:n_experts]
-                module.last_routing = None
-        return hook
+    def _on_routing(self, layer_id: int, ids, scores) -> None:
+        n = self._n_experts
+        self.counts[self._rows[layer_id]] += ids.flatten().bincount(minlength=n)[:n]
 
     def reset(self) -> None:
         self.counts.zero_()
 
-    def snapshot(self) -> None:
-        self.last = self.counts.cpu().tolist()
+    def snapshot(self) -> list[list[int]]:
+        return self.counts.cpu().tolist()
+
+    def close(self) -> None:
+        self._handle.remove()
 
 
 class EngineRunner:
     """Serializes generations on one Engine in arrival order, on a dedicated thread."""
 
-    def __init__(self, engine, record_routing: bool = False):
+    def __init__(self, engine, count_routing: bool = False):
         self.engine = engine
-        self.routing = RoutingRecorder(engine.model) if record_routing else None
+        self.routing = RoutingRecorder(engine.model) if count_routing else None
         self._cv = threading.Condition()
         self._line: dict[int, object] = {}      # place in line -> Job, _WAITING, or None (request dropped)
         self._issued = 0
@@ -143,6 +141,8 @@ class EngineRunner:
         if self.current is not None:
             self.current.cancel()
         self._thread.join(timeout=10)
+        if self.routing is not None:
+            self.routing.close()
 
     def live(self) -> dict:
         """What the engine is doing now: for live stats while a reply streams."""
@@ -186,12 +186,17 @@ class EngineRunner:
         if self.routing is not None:
             self.routing.reset()
         stream = None
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        vocab = getattr(tokenizer, "vocab_size", None)
         try:
             stream = job.start()
             for chunk in stream:
                 if job.t_first is None:
                     job.t_first = time.perf_counter()
                 job.tokens += 1
+                job.finish_reason = chunk.finish_reason
+                if vocab is not None and chunk.token_id is not None and chunk.token_id >= vocab:
+                    job.unknown_tokens += 1
                 job._put(chunk)
                 if job.cancelled.is_set():
                     break
@@ -210,7 +215,7 @@ class EngineRunner:
         self.counters["completion_tokens"] += job.tokens
         try:
             if self.routing is not None:
-                self.routing.snapshot()
+                job.routing = self.routing.snapshot()
             job.stats = self.last_stats = self.engine.stats()
         except Exception as e:                   # stats must never take the worker down
             job.stats = self.last_stats

@@ -115,14 +115,15 @@ def _as_api_error(e: BaseException, log) -> APIError:
 
 def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling: dict | None = None,
                system_prompt: str | None = None, reasoning: bool | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, log=None) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, log=None, ui_sampling: dict | None = None) -> FastAPI:
     """The FastAPI app serving `engine`. sampling: defaults for omitted request fields (max_tokens, temperature,
-    top_p, top_k, seed); reasoning: split <think> blocks (None: when the chat template uses them)."""
+    top_p, top_k, seed); ui_sampling: what the web UI's settings start at instead (e.g. chat's temperature);
+    reasoning: split <think> blocks (None: when the chat template uses them). `log` gets one line per request."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     defaults = dict(sampling or {})
     model_id = model_name(engine)
     with_reasoning = uses_reasoning(engine.tokenizer) if reasoning is None else bool(reasoning)
-    runner = EngineRunner(engine, record_routing=ui and engine.offload is None)   # the UI's routing heat map
+    runner = EngineRunner(engine, count_routing=ui and engine.offload is None)   # the UI's routing heat map
     started = time.time()
     counters = {"requests": 0, "errors_4xx": 0, "errors_5xx": 0}
 
@@ -137,8 +138,9 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         counters["errors_5xx" if e.status >= 500 else "errors_4xx"] += 1
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        request.state.error = e.message                       # for the access log
+        headers = {**({"WWW-Authenticate": "Bearer"} if e.status == 401 else {}), **(e.headers or {})}
+        return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):     # a bug answers 500 in OpenAI's shape; serving goes on
@@ -220,7 +222,7 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
     async def chat_completions(request: Request):
         place, req, ids, in_reasoning = await admit(
             request, lambda body: parse_chat(body, defaults, model_id), encode_chat)
-        job = runner.submit(place, start(ids, req))
+        job = request.state.job = runner.submit(place, start(ids, req))
         rid, created = new_id("chatcmpl"), now()
         if req.stream:
             return _event_stream(job, _chat_events(job, req, ids, rid, created, in_reasoning))
@@ -257,7 +259,7 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
     async def completions(request: Request):
         place, req, ids, _ = await admit(
             request, lambda body: parse_completion(body, defaults, model_id, engine.args.vocab_size), encode_prompt)
-        job = runner.submit(place, start(ids, req))
+        job = request.state.job = runner.submit(place, start(ids, req))
         rid, created = new_id("cmpl"), now()
         if req.stream:
             return _event_stream(job, _completion_events(job, req, ids, rid, created))
@@ -311,16 +313,70 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
         return build("".join(text), finish, n)
 
     @v1.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def unknown(path: str):
+    async def unknown(path: str, request: Request):
+        allowed = "POST" if path in ("chat/completions", "completions") else \
+            "GET" if path in ("models", "stats") or path.startswith("models/") else None
+        if allowed is not None:
+            raise APIError(405, f"{request.method} is not allowed on /v1/{path}: use {allowed}",
+                           code="method_not_allowed", headers={"Allow": allowed})
         raise APIError(404, f"no such endpoint: /v1/{path}", code="not_found")
 
     app.include_router(v1)
+    app.add_middleware(AccessLog, log=log)
     if ui:
         from .ui import mount_ui
 
-        app = mount_ui(app, runner, model_id=model_id, sampling=defaults, system_prompt=system_prompt,
-                       reasoning=with_reasoning, api_key=api_key)
+        app = mount_ui(app, runner, model_id=model_id, sampling={**defaults, **(ui_sampling or {})},
+                       system_prompt=system_prompt, reasoning=with_reasoning, api_key=api_key, log=log)
     return app
+
+
+class AccessLog:
+    """One line per API request, as uvicorn's access log writes them, plus the tokens generated and, for an error,
+    its reason: `127.0.0.1:50312 "POST /v1/chat/completions" 200 12 tok 0.53s`. The web UI's own traffic (pages,
+    assets, Gradio's queue) is logged only when it fails; its replies are logged by the UI."""
+
+    def __init__(self, app, log):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), [None]
+        state = scope.setdefault("state", {})
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        except Exception as e:                 # answered by the app's 500 handler, outside this middleware
+            status[0] = status[0] or 500
+            state.setdefault("error", f"internal error: {type(e).__name__}: {e}")
+            raise
+        finally:
+            path = scope.get("path", "")
+            if path.startswith("/v1/") or path == "/health" or (status[0] or 500) >= 400:
+                self.log(_access_line(scope, status[0], time.perf_counter() - t0, state))
+
+
+def _access_line(scope, status, seconds: float, state: dict) -> str:
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]} " if client else ""
+    line = f'{who}"{scope.get("method", "?")} {scope.get("path", "")}" {status or "-"}'
+    job = state.get("job")
+    if job is not None:
+        line += f" {job.tokens} tok"
+        if job.status in ("cancelled", "failed"):
+            line += f" ({job.status})"
+        if job.unknown_tokens:
+            line += f" ({job.unknown_tokens} ids past the tokenizer's vocabulary)"
+    line += f" {seconds:.2f}s"
+    if state.get("error"):
+        line += f": {state['error']}"
+    return line
 
 
 # --- running it ----------------------------------------------------------------------------------------------------
@@ -366,8 +422,9 @@ def _uvicorn_server(app, on_started=None):
 
 
 def serve(load_engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, ui: bool = True,
-          sampling: dict | None = None, system_prompt: str | None = None, log=None) -> None:
-    """Bind, load the engine (load_engine()), print where to go, serve until Ctrl-C."""
+          sampling: dict | None = None, system_prompt: str | None = None, log=None,
+          ui_sampling: dict | None = None) -> None:
+    """Bind, load the engine (load_engine()), print where to go, serve until Ctrl-C (one log line per request)."""
     import click
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
@@ -380,7 +437,8 @@ def serve(load_engine, host: str = "127.0.0.1", port: int = 8000, api_key: str |
     sock = bind_socket(host, port)
     port = sock.getsockname()[1]
     engine = load_engine()
-    app = create_app(engine, api_key=api_key, ui=ui, sampling=sampling, system_prompt=system_prompt, log=log)
+    app = create_app(engine, api_key=api_key, ui=ui, sampling=sampling, system_prompt=system_prompt, log=log,
+                     ui_sampling=ui_sampling)
     if not is_loopback(host):
         log(f"warning: listening on {host}, reachable from other machines"
             + ("" if api_key else "; anyone who can reach it can use the model (consider --api-key)"))

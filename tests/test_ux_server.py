@@ -1,0 +1,97 @@
+"""The server as its operator sees it: one log line per request (method, path, status, tokens, time, and the reason
+of an error), 405 for a known endpoint asked with the wrong method, and an idle `serve` (web UI included) that
+leaves the CPU alone."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+import dsv3lite
+from dsv3lite.app.server import ServerThread, create_app
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def logged(v3_dir):
+    llm = dsv3lite.load(v3_dir, device="cpu", ctx_size=64, progress=False, log=lambda m: None)
+    llm.stop_ids = set()                       # every reply runs to max_tokens
+    lines: list[str] = []
+    with ServerThread(create_app(llm, ui=False, log=lines.append)) as server:
+        yield server, lines
+
+
+def line_for(lines: list[str], needle: str, timeout: float = 10) -> str:
+    """The log line holding `needle` (it is written as the response ends, so it may trail the client a little)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [l for l in lines if needle in l]
+        if found:
+            return found[-1]
+        time.sleep(0.02)
+    raise AssertionError(f"no log line with {needle!r} in {lines}")
+
+
+def test_one_log_line_per_request(logged):
+    server, lines = logged
+    r = httpx.post(server.url + "/v1/chat/completions", json=GOOD, timeout=30)
+    assert r.status_code == 200
+    line = line_for(lines, '"POST /v1/chat/completions" 200')
+    assert " 3 tok " in line and line.endswith("s") and line.startswith("127.0.0.1:")
+
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2, "stream": True}, timeout=30)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert " 2 tok " in line_for(lines, '"POST /v1/completions" 200')     # logged when the stream has ended
+
+    r = httpx.post(server.url + "/v1/chat/completions", json={**GOOD, "temperature": 9}, timeout=30)
+    assert r.status_code == 400
+    line = line_for(lines, '"POST /v1/chat/completions" 400')
+    assert line.endswith(r.json()["error"]["message"]) and "'temperature'" in line     # the reason
+
+    before = len(lines)
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    assert '"GET /health" 200' in line_for(lines, "/health")
+    time.sleep(0.2)
+    assert len(lines) == before + 1                                    # one line per request
+
+
+@pytest.mark.parametrize("method,path,allow", [("GET", "/v1/chat/completions", "POST"),
+                                               ("GET", "/v1/completions", "POST"),
+                                               ("POST", "/v1/models", "GET"),
+                                               ("DELETE", "/v1/stats", "GET")])
+def test_wrong_method_is_405_with_allow(logged, method, path, allow):
+    server, lines = logged
+    r = httpx.request(method, server.url + path, timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == allow
+    err = r.json()["error"]
+    assert err["code"] == "method_not_allowed" and allow in err["message"]
+    assert f'"{method} {path}" 405' in line_for(lines, f'"{method} {path}"')
+    assert httpx.get(server.url + "/v1/embeddings", timeout=30).status_code == 404   # unknown stays 404
+
+
+def test_idle_serve_with_the_ui_uses_no_cpu(v3_dir, tmp_path):
+    pytest.importorskip("gradio")
+    env = dict(os.environ, HOME=str(tmp_path), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "dsv3lite.cli", "serve", "-w", str(v3_dir), "--device", "cpu",
+                             "-c", "64", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=env, start_new_session=True)
+    try:
+        line = proc.stdout.readline()                   # "serving ... at http://..." once it accepts connections
+        assert line.startswith("serving "), line
+        time.sleep(1.0)                                 # start-up work (threads, imports) settles
+        p = psutil.Process(proc.pid)
+        window = 3.0
+        before = sum(p.cpu_times()[:2])
+        time.sleep(window)
+        used = sum(p.cpu_times()[:2]) - before
+        assert used < 0.02 * window, f"an idle serve used {used / window:.1%} of a core"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
