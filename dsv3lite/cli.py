@@ -4,21 +4,54 @@ Bad input ends with one line on stderr and a non-zero exit; `--debug` shows the 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-import time
+from pathlib import Path
 
 import click
 
 from .errors import UserError
+from .stats import summary
 from .utils import format_bytes, format_count, parse_size
 
 EXIT_USER = 2
 
 
+class _Console:
+    """stderr lines that arrive while a reply streams to stdout (engine notes such as "MTP speculation turned
+    off") are held back and printed on their own line once the stream has ended its line."""
+
+    def __init__(self):
+        self.streaming = False
+        self.held: list[str] = []
+
+    def log(self, msg: str) -> None:
+        if self.streaming:
+            self.held.append(msg)
+        else:
+            click.echo(msg, err=True)
+
+    @contextlib.contextmanager
+    def stream(self):
+        """The block streams a reply to stdout; it ends with the reply's newline, then the held lines follow."""
+        self.streaming = True
+        try:
+            yield
+        finally:
+            self.streaming = False
+            click.echo()
+            held, self.held = self.held, []
+            for msg in held:
+                click.echo(msg, err=True)
+
+
+_console = _Console()
+
+
 def log(msg: str) -> None:
-    click.echo(msg, err=True)
+    _console.log(msg)
 
 
 class SizeParam(click.ParamType):
@@ -39,8 +72,11 @@ class SizeParam(click.ParamType):
 SIZE = SizeParam()
 
 
-def engine_options(fn):
-    """Flags shared by chat, generate and serve."""
+CHAT_SAMPLING = {"temperature": 0.8, "top_p": 0.95}   # chat (terminal and web UI) samples; scripted runs are greedy
+
+
+def engine_options(temp: float = 0.0, top_p: float = 1.0):
+    """Flags shared by chat, generate, serve and trace; `temp` and `top_p` are the command's defaults."""
     opts = [
         click.option("--weights", "-w", type=click.Path(), default=None,
                      help="Checkpoint directory (HF safetensors or dsv3lite-quantized). Default: the bundled demo model."),
@@ -53,9 +89,11 @@ def engine_options(fn):
                      help="Context length (tokens) of the latent cache.  [default: 4096, or the model's limit]"),
         click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=256, show_default=True,
                      help="Most tokens to generate per reply."),
-        click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True,
+        click.option("--temp", type=click.FloatRange(min=0), default=temp, show_default=True,
                      help="Sampling temperature (0 = greedy)."),
-        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True),
+        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=top_p, show_default=True,
+                     help="Nucleus sampling: draw from the smallest set of tokens whose probabilities sum to P "
+                          "(1 = off)."),
         click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off."),
         click.option("--seed", type=int, default=None, help="Sampling seed (reproducible output)."),
         click.option("--system-prompt", default=None, help="System message for chat."),
@@ -74,9 +112,12 @@ def engine_options(fn):
         click.option("--cache-policy", type=click.Choice(["decayed-lfu", "lru", "lfu"]), default="decayed-lfu",
                      show_default=True, help="Offloading: expert-slot eviction policy."),
     ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
+
+    def decorate(fn):
+        for opt in reversed(opts):
+            fn = opt(fn)
+        return fn
+    return decorate
 
 
 def _engine(o: dict):
@@ -93,29 +134,44 @@ def _sampling(o: dict) -> dict:
                 seed=o["seed"])
 
 
-def stats_line(s: dict) -> str:
-    """One human line: prompt/prefill/decode/TTFT, MTP and expert-cache figures when they apply."""
-    parts = [f"{s['prompt_tokens']} prompt tok" + (f" ({s['cached_prompt_tokens']} cached)" if s.get("cached_prompt_tokens") else ""),
-             f"prefill {s['prefill_tok_s']:.1f} tok/s", f"decode {s['decode_tok_s']:.1f} tok/s",
-             f"TTFT {s['ttft_s']:.2f}s"]
-    mtp = s["mtp"]
-    if mtp["enabled"]:
-        parts.append(f"MTP accept {mtp['acceptance_rate']:.0%} ({mtp['tokens_per_forward']:.2f} tok/fwd)")
-    ec = s["expert_cache"]
-    if ec["hits"] or ec["demand_misses"] or ec["cpu_experts"]:
-        parts.append(f"experts hit {ec['hit_rate']:.0%}, {ec['demand_misses']} misses, "
-                     f"H2D {ec['h2d_gb_s']:.1f} GB/s, stall {ec['stall_ms']:.0f} ms")
-    mem = s.get("memory", {})
-    if "gpu_peak_bytes" in mem:
-        parts.append(f"GPU peak {format_bytes(mem['gpu_peak_bytes'])}")
-    return " | ".join(parts)
-
-
 def _dim(text: str) -> str:
     return f"\033[2m{text}\033[0m" if sys.stderr.isatty() else text
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _stdin_text(what: str) -> str:
+    """All of stdin, or a UserError when there is none to read (closed, as with `<&-`)."""
+    if sys.stdin is None or sys.stdin.closed:
+        raise UserError(f"{what} reads stdin, but stdin is closed")
+    try:
+        return sys.stdin.read()
+    except (OSError, ValueError) as e:
+        raise UserError(f"{what} cannot read stdin: {e}") from None
+
+
+def _unknown_ids_note(ids: list[int], llm) -> str | None:
+    """A note when the model produced ids the tokenizer has no text for (they print as nothing)."""
+    if llm.tokenizer is None:
+        return None
+    vocab = llm.tokenizer.vocab_size
+    unknown = [t for t in ids if t >= vocab]
+    if not unknown:
+        return None
+    return (f"note: {len(unknown)} of the {len(ids)} generated tokens (e.g. id {unknown[0]}) are past the "
+            f"tokenizer's {vocab} tokens and print as nothing (the checkpoint's vocab_size is "
+            f"{llm.args.vocab_size})")
+
+
+class _Group(click.Group):
+    """The top-level command: with no arguments it prints its help and exits 0."""
+
+    def parse_args(self, ctx, args):
+        if not args:
+            click.echo(ctx.get_help())
+            ctx.exit(0)
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.version_option(package_name="dsv3lite")
 @click.pass_context
@@ -125,16 +181,16 @@ def cli(ctx, debug):
     ctx.obj["debug"] = debug
 
 
-@cli.command()
+@cli.command(short_help="Complete a prompt (streamed text, or --json).")
 @click.option("--prompt", "-p", required=True, help="Prompt text ('-' reads stdin).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token_ids, stats) and nothing else.")
 @click.option("--chat", "as_chat", is_flag=True, help="Wrap the prompt as a user message with the chat template.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@engine_options
+@engine_options()
 def generate(prompt, as_json, as_chat, stop, **o):
     """Complete a prompt and stream the text (or print JSON with --json)."""
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = _stdin_text("--prompt -")
     llm = _engine(o)
     if as_chat:
         messages = ([{"role": "system", "content": o["system_prompt"]}] if o["system_prompt"] else [])
@@ -142,24 +198,29 @@ def generate(prompt, as_json, as_chat, stop, **o):
     else:
         stream = llm.generate(prompt, stop=list(stop), **_sampling(o))
     text, ids, finish = [], [], None
-    try:
-        for chunk in stream:
-            text.append(chunk.text)
-            if chunk.token_id is not None and not (chunk.finish_reason == "stop" and chunk.token_id in llm.stop_ids):
-                ids.append(chunk.token_id)
-            finish = chunk.finish_reason
-            if not as_json and chunk.text:
-                click.echo(chunk.text, nl=False)
-                sys.stdout.flush()
-    finally:
-        stream.close()
+    with contextlib.ExitStack() as streaming:
+        if not as_json:
+            streaming.enter_context(_console.stream())
+        try:
+            for chunk in stream:
+                text.append(chunk.text)
+                if chunk.token_id is not None and not (chunk.finish_reason == "stop" and chunk.token_id in llm.stop_ids):
+                    ids.append(chunk.token_id)
+                finish = chunk.finish_reason
+                if not as_json and chunk.text:
+                    click.echo(chunk.text, nl=False)
+                    sys.stdout.flush()
+        finally:
+            stream.close()
     stats = llm.stats()
+    note = _unknown_ids_note(ids, llm)
+    if note:
+        log(note)
     if as_json:
         click.echo(json.dumps({"text": "".join(text), "token_ids": ids, "prompt_tokens": stats["prompt_tokens"],
                                "finish_reason": finish or "length", "stats": stats}))
     else:
-        click.echo()
-        log(_dim(stats_line(stats)))
+        log(_dim(summary(stats, finish or "length")))
 
 
 CHAT_HELP = """commands:
@@ -167,34 +228,76 @@ CHAT_HELP = """commands:
   /clear       forget the conversation
   /help        this text
   \"\"\"          start or end a multi-line message
+Left/Right and the usual readline keys edit the line; Up/Down recall earlier messages (kept in
+~/.dsv3lite_history, or the file DSV3LITE_HISTORY names; DSV3LITE_HISTORY= keeps none).
 Ctrl-C stops the current reply."""
+
+HISTORY_ENV = "DSV3LITE_HISTORY"
+HISTORY_LINES = 1000
+
+
+def _line_editing():
+    """readline line editing and history for chat when stdin and stdout are a terminal. Returns a function that
+    saves the history (None when there is nothing to save)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return None
+    try:
+        import readline
+    except ImportError:                   # Python built without readline: plain input()
+        return None
+    path = os.environ.get(HISTORY_ENV)
+    path = os.path.join(os.path.expanduser("~"), ".dsv3lite_history") if path is None else path
+    if not path:
+        return None
+    readline.set_history_length(HISTORY_LINES)
+    with contextlib.suppress(OSError):
+        readline.read_history_file(path)
+
+    def save():
+        try:
+            readline.write_history_file(path)
+        except OSError as e:
+            log(f"note: could not save the chat history to {path}: {e.strerror or e}")
+    return save
 
 
 def _read_message() -> str | None:
     """One user message; None on EOF. Lines between two '\"\"\"' form one multi-line message."""
     line = input(">>> ")
-    if not line.strip().startswith('"""'):
+    if not line.strip().startswith('\"\"\"'):
         return line
     first = line.strip()[3:]
-    if first.endswith('"""'):
+    if first.endswith('\"\"\"'):
         return first[:-3]
     lines = [first] if first else []
     while True:
         more = input("... ")
-        if more.rstrip().endswith('"""'):
+        if more.rstrip().endswith('\"\"\"'):
             lines.append(more.rstrip()[:-3])
             return "\n".join(lines)
         lines.append(more)
 
 
-@cli.command()
-@engine_options
+@cli.command(short_help="Chat in the terminal (streaming, line editing).")
+@engine_options(temp=CHAT_SAMPLING["temperature"], top_p=CHAT_SAMPLING["top_p"])
 def chat(**o):
-    """Interactive chat in the terminal (streaming; /help for commands)."""
+    """Interactive chat in the terminal: streaming replies, readline editing and history, /help for commands.
+    Samples by default (--temp 0 for greedy replies)."""
+    if sys.stdin is None or sys.stdin.closed:
+        raise UserError("chat reads messages from stdin, but stdin is closed")
     llm = _engine(o)
     base = [{"role": "system", "content": o["system_prompt"]}] if o["system_prompt"] else []
     history = list(base)
+    save_history = _line_editing()
     log(_dim("type /help for commands, /exit to leave"))
+    try:
+        _chat_loop(llm, o, base, history)
+    finally:
+        if save_history is not None:
+            save_history()
+
+
+def _chat_loop(llm, o: dict, base: list[dict], history: list[dict]) -> None:
     while True:
         try:
             msg = _read_message()
@@ -214,7 +317,7 @@ def chat(**o):
             click.echo(CHAT_HELP)
             continue
         if cmd == "/clear":
-            history = list(base)
+            history[:] = base
             llm.reset()
             log(_dim("conversation cleared"))
             continue
@@ -222,42 +325,58 @@ def chat(**o):
             log(f"unknown command {cmd.split()[0]} (/help lists them)")
             continue
         history.append({"role": "user", "content": msg})
-        reply = []
+        reply, ids, finish = [], [], None
         stream = llm.chat(history, **_sampling(o))
-        try:
-            for chunk in stream:
-                reply.append(chunk.text)
-                click.echo(chunk.text, nl=False)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            log(_dim("\n[stopped]"))
-        finally:
-            stream.close()
-        click.echo()
+        with _console.stream():
+            try:
+                for chunk in stream:
+                    reply.append(chunk.text)
+                    if chunk.token_id is not None:
+                        ids.append(chunk.token_id)
+                    finish = chunk.finish_reason
+                    click.echo(chunk.text, nl=False)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                finish = "stopped"
+                log(_dim("[stopped]"))
+            finally:
+                stream.close()
         history.append({"role": "assistant", "content": "".join(reply)})
-        log(_dim(stats_line(llm.stats())))
+        note = _unknown_ids_note(ids, llm)
+        if note:
+            log(note)
+        log(_dim(summary(llm.stats(), finish)))
 
 
-@cli.command()
+@cli.command(short_help="Config, parameter counts, bytes per component.")
 @click.option("--weights", "-w", type=click.Path(), default=None, help="Checkpoint directory (default: demo model).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def info(weights, as_json):
-    """Config summary, parameter counts (total / active), bytes per component, KV bytes per token."""
+    """Config summary, parameter counts (total / active), bytes per component as stored, KV bytes per token."""
+    from .builder import resolve_weights
     from .config import ModelArgs
     from .footprint import footprint
-    from .runtime import resolve_weights
+    from .quant.checkpoint import is_quantized_dir, read_manifest
 
     root = resolve_weights(weights)
     a = ModelArgs.from_dir(root)
     fp = footprint(a)
-    bpp = 2  # bytes per parameter at bf16
     comps = {"embeddings": fp.embed, "lm_head": fp.head, "attention+norms": fp.attention, "dense MLPs": fp.dense_mlp,
              "routers": fp.routers, "shared experts": fp.shared_experts, "routed experts": fp.routed_experts,
              "MTP (non-expert)": fp.mtp_dense, "MTP routed experts": fp.mtp_routed_experts}
+    sizes = {k: v * 2 for k, v in comps.items()}          # bf16: 2 bytes per parameter
+    stored = "bf16"
+    if is_quantized_dir(root):                            # routed experts as the blobs on disk
+        m = read_manifest(root)
+        blob = m.layout.blob_bytes
+        sizes["routed experts"] = sum(1 for l in m.moe_layers if l != a.mtp_layer_id) * m.n_experts * blob
+        sizes["MTP routed experts"] = (a.mtp_layer_id in m.moe_layers) * m.n_experts * blob
+        expert_fmt = f"int4 (group {m.group_size})" if m.format == "int4" else m.format
+        stored = f"{m.dense_dtype} dense weights, {expert_fmt} routed experts"
     if as_json:
         click.echo(json.dumps({"weights": str(root), "model_type": a.model_type, "total_params": fp.total,
-                               "active_params": fp.active, "components": comps,
-                               "kv_bytes_per_token": a.kv_bytes_per_token}))
+                               "active_params": fp.active, "components": comps, "component_bytes": sizes,
+                               "stored_as": stored, "kv_bytes_per_token": a.kv_bytes_per_token}))
         return
     moe = a.moe_layer_ids
     click.echo(f"{root}\n  model_type {a.model_type}: {a.num_hidden_layers} layers ({len(moe)} MoE), hidden {a.hidden_size}, "
@@ -269,15 +388,15 @@ def info(weights, as_json):
     click.echo(f"  MTP layers: {a.num_nextn_predict_layers}; FP8 checkpoint: {'yes' if a.fp8_block_size else 'no'}")
     click.echo(f"  parameters: {format_count(fp.total)} total, {format_count(fp.active)} active per token"
                + (f" (+{format_count(fp.mtp_dense + fp.mtp_routed_experts)} MTP)" if fp.mtp_dense else ""))
-    click.echo("  bytes per component at bf16:")
+    click.echo(f"  bytes per component ({stored}):")
     for k, v in comps.items():
         if v:
-            click.echo(f"    {k:<20} {format_count(v):>8} params  {format_bytes(v * bpp):>12}")
+            click.echo(f"    {k:<20} {format_count(v):>8} params  {format_bytes(sizes[k]):>12}")
     click.echo(f"  latent KV cache: {a.latent_dim} values/token/layer = {format_bytes(a.kv_bytes_per_token)} per token "
                f"(bf16, {a.num_hidden_layers} layers)")
 
 
-@cli.command()
+@cli.command(short_help="Write an HF checkpoint with int4/fp8/nf4/bf16 experts.")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--experts", type=click.Choice(["int4", "fp8", "nf4", "bf16"]), required=True,
@@ -296,88 +415,162 @@ def quantize(src, dst, experts, group_size, dense, force, resume):
                         resume=resume, progress=True, log=log)
 
 
-@cli.command()
+@cli.command(short_help="What a --gpu-mem budget buys, reading no weights.")
 @click.option("--weights", "-w", type=click.Path(), default=None, help="Checkpoint directory (default: demo model).")
-@click.option("--gpu-mem", type=SIZE, required=True, help="Device budget to plan for (80G = 80 GiB).")
+@click.option("--gpu-mem", type=SIZE, required=True,
+              help="Device budget to plan for (80G = 80 GiB; auto on CUDA: free memory minus a reserve).")
 @click.option("--ctx-size", "-c", type=click.IntRange(min=2), default=None,
               help="Context length (tokens).  [default: 4096, or the model's limit]")
 @click.option("--experts", type=click.Choice(["int4", "fp8", "nf4", "bf16"]), default=None,
               help="Expert format (default: the checkpoint's own).")
-@click.option("--dtype", default="bfloat16", show_default=True, help="Compute dtype of the resident weights.")
+@click.option("--device", default="auto", show_default=True, help="The device of the run planned for: auto | cuda | cpu")
+@click.option("--dtype", default=None,
+              help="Compute dtype of the resident weights.  [default: bfloat16 on CUDA, float32 on CPU, as a run]")
 @click.option("--mtp/--no-mtp", default=True, show_default=True)
-def plan(weights, gpu_mem, ctx_size, experts, dtype, mtp):
-    """Print what --gpu-mem buys (resident components, expert slots) from shapes alone, reading no weights."""
-    import torch
-
+def plan(weights, gpu_mem, ctx_size, experts, device, dtype, mtp):
+    """Print what --gpu-mem buys (resident components, expert slots) from shapes alone, reading no weights: the
+    plan `chat`/`generate`/`serve` make with the same flags."""
+    from .builder import DEFAULT_CTX_SIZE, resolve_weights
     from .config import ModelArgs
-    from .offload.setup import plan_for
-    from .runtime import DEFAULT_CTX_SIZE, resolve_weights
-    from .utils import resolve_dtype
+    from .offload.setup import plan_for, resolve_budget
+    from .utils import resolve_device, resolve_dtype
 
     root = resolve_weights(weights)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     args = ModelArgs.from_dir(root)
-    if ctx_size is None:
-        ctx_size = min(DEFAULT_CTX_SIZE, args.max_position_embeddings)
-    if gpu_mem == "auto":
-        raise UserError("plan needs an explicit --gpu-mem size")
-    p, *_ = plan_for(root, args, gpu_mem, ctx_size, experts, mtp, resolve_dtype(dtype, torch.device("cuda")))
-    click.echo(f"plan for {root} with --gpu-mem {format_bytes(gpu_mem)}, --ctx-size {ctx_size}:")
+    ctx_size = min(ctx_size or DEFAULT_CTX_SIZE, args.max_position_embeddings)
+    budget = resolve_budget(gpu_mem, dev)
+    p, *_ = plan_for(root, args, budget, ctx_size, experts, mtp, dt)
+    click.echo(f"plan for {root} on {dev.type} ({str(dt).replace('torch.', '')}) with --gpu-mem "
+               f"{format_bytes(budget)}, --ctx-size {ctx_size}:")
     click.echo(p.table())
 
 
-@cli.command()
-@click.option("--prompt", "-p", required=True, help="Prompt text.")
+def _writable_file(path: str, what: str) -> Path:
+    """`path` as a file that can be created or replaced, checked before any slow work."""
+    out = Path(path).expanduser()
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise UserError(f"{what} {out} is a directory: give a file name")
+    if not parent.is_dir():
+        raise UserError(f"cannot write {what} {out}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise UserError(f"cannot write {what} {out}: permission denied")
+    return out
+
+
+def _trace_summary(events: list[dict], layers: list[int], lookahead: int, mtp_layer: int) -> list[str]:
+    """Per MoE layer, over the decode steps: experts used, and the share of them the routers predicted
+    1..lookahead layers ahead (what prefetching can hide)."""
+    used: dict[tuple[int, int], set[int]] = {}
+    predicted: dict[tuple[int, int, int], set[int]] = {}
+    for ev in events:
+        if ev["phase"] != "decode":
+            continue
+        ids = {e for row in ev["ids"] for e in row}
+        if ev["distance"] == 0:
+            used[(ev["step"], ev["layer"])] = ids
+        else:
+            predicted[(ev["step"], ev["layer"], ev["distance"])] = ids
+    distances = range(1, lookahead + 1)
+    lines = [f"  {'layer':>5}  {'experts used':>12}  " + "  ".join(f"{f'{d} ahead':>8}" for d in distances)]
+    for layer in layers:
+        steps = [(step, ids) for (step, l), ids in used.items() if l == layer]
+        if not steps:
+            continue
+        distinct = set().union(*(ids for _, ids in steps))
+        cells = []
+        for d in distances:
+            hits = total = 0
+            for step, ids in steps:
+                if (step, layer, d) in predicted:
+                    hits += len(ids & predicted[(step, layer, d)])
+                    total += len(ids)
+            cells.append(f"{hits / total:>8.0%}" if total else f"{'-':>8}")
+        name = "MTP" if layer == mtp_layer else str(layer)
+        lines.append(f"  {name:>5}  {len(distinct):>12}  " + "  ".join(cells))
+    return lines
+
+
+@cli.command(short_help="Record per-token expert routing to a file.")
+@click.option("--prompt", "-p", required=True, help="Prompt text ('-' reads stdin).")
 @click.option("--out", "-o", type=click.Path(), required=True, help="Trace file to write (JSON lines).")
 @click.option("--trace-lookahead", type=click.IntRange(1, 8), default=3, show_default=True,
               help="Record predictions made this many layers ahead.")
-@engine_options
+@engine_options()
 def trace(prompt, out, trace_lookahead, **o):
-    """Generate, recording per-token, per-layer expert ids and router predictions (for benchmarks/cache_sim.py)."""
+    """Generate, recording per-token, per-layer expert ids and router predictions (for benchmarks/cache_sim.py),
+    then print a per-layer summary."""
     from .offload.trace import TraceRecorder
 
+    out_path = _writable_file(out, "trace file")
+    if prompt == "-":
+        prompt = _stdin_text("--prompt -")
     llm = _engine(o)
     rec = TraceRecorder(llm.model, trace_lookahead)
     stream = llm.generate(prompt, **_sampling(o))
-    text = []
-    for i, chunk in enumerate(stream):
-        if i == 0:
-            rec.phase = "decode"                  # events after the first token belong to decode steps
-        text.append(chunk.text)
-    a = llm.args
-    rec.write(out, {"weights": llm.weights, "n_experts": a.n_routed_experts, "top_k": a.num_experts_per_tok,
-                    "moe_layers": [m.layer_id for m in llm.model.moe_modules()], "lookahead": trace_lookahead,
-                    "prompt_tokens": llm.stats()["prompt_tokens"], "generated": llm.stats()["generated_tokens"]})
-    log(f"wrote {len(rec.events)} routing events to {out}")
+    finish = None
+    try:
+        for i, chunk in enumerate(stream):
+            if i == 0:
+                rec.phase = "decode"              # events after the first token belong to decode steps
+            finish = chunk.finish_reason
+    finally:
+        stream.close()
+    a, stats = llm.args, llm.stats()
+    layers = [m.layer_id for m in llm.model.moe_modules()]
+    try:
+        rec.write(out_path, {"weights": llm.weights, "n_experts": a.n_routed_experts, "top_k": a.num_experts_per_tok,
+                             "moe_layers": layers, "lookahead": trace_lookahead,
+                             "prompt_tokens": stats["prompt_tokens"], "generated": stats["generated_tokens"]})
+    except OSError as e:
+        raise UserError(f"cannot write trace file {out_path}: {e.strerror or e}") from None
+    click.echo(f"wrote {out_path}: {len(rec.events)} routing events, {stats['prompt_tokens']} prompt + "
+               f"{stats['generated_tokens']} generated tokens ({finish or 'length'}), {len(layers)} MoE layers x "
+               f"{a.n_routed_experts} experts (top-{a.num_experts_per_tok})")
+    click.echo("decode steps, per MoE layer: distinct experts used, and the share of each step's experts that the "
+               "routers predicted d layers ahead:")
+    for line in _trace_summary(rec.events, layers, trace_lookahead, a.mtp_layer_id):
+        click.echo(line)
+    click.echo(f"replay it against cache policies and sizes: python benchmarks/cache_sim.py --trace {out_path}")
 
 
+def _serve(host, port, api_key, with_ui, o) -> None:
+    from .app.server import serve as run_server
 
-@cli.command()
+    given = click.get_current_context().get_parameter_source
+    ui_sampling = {k: v for k, v in CHAT_SAMPLING.items()                 # the web UI is a chat: it samples
+                   if given({"temperature": "temp", "top_p": "top_p"}[k]) == click.core.ParameterSource.DEFAULT}
+    run_server(lambda: _engine(o), host=host, port=port, api_key=api_key, ui=with_ui, sampling=_sampling(o),
+               ui_sampling=ui_sampling, system_prompt=o["system_prompt"], log=log)
+
+
+@cli.command(short_help="OpenAI-compatible API at /v1 and the web UI at /.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (anything but loopback is reachable from other machines).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="TCP port to listen on (0: any free port).")
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 (and KEY to open the UI).")
 @click.option("--ui/--no-ui", "with_ui", default=True, show_default=True, help="Serve the web UI at / (needs gradio).")
-@engine_options
+@engine_options()
 def serve(host, port, api_key, with_ui, **o):
-    """OpenAI-compatible API at /v1 and the web UI at /, over one engine."""
-    from .app.server import serve as run_server
-
-    run_server(lambda: _engine(o), host=host, port=port, api_key=api_key, ui=with_ui, sampling=_sampling(o),
-               system_prompt=o["system_prompt"], log=log)
+    """OpenAI-compatible API at /v1 and the web UI at /, over one engine. --temp and --top-p are the defaults of
+    API requests that leave them out (greedy unless given); the web UI's settings start at chat's sampling."""
+    _serve(host, port, api_key, with_ui, o)
 
 
-@cli.command()
+@cli.command(short_help="The web UI (port 7860), with the API alongside.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (anything but loopback is reachable from other machines).")
-@click.option("--port", type=click.IntRange(0, 65535), default=7860, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=7860, show_default=True,
+              help="TCP port to listen on (0: any free port).")
 @click.option("--api-key", default=None, help="Require KEY to open the UI and on /v1.")
-@engine_options
+@engine_options()
 def ui(host, port, api_key, **o):
     """The web UI in your browser (open the printed URL); the OpenAI API is served alongside at /v1."""
-    from .app.server import serve as run_server
+    _serve(host, port, api_key, True, o)
 
-    run_server(lambda: _engine(o), host=host, port=port, api_key=api_key, ui=True, sampling=_sampling(o),
-               system_prompt=o["system_prompt"], log=log)
 
 def main(argv=None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])

@@ -176,9 +176,14 @@ class ModelArgs:
         if not file.is_file():
             raise UserError(f"no config.json in {path}")
         try:
-            cfg = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"cannot read {file}: {e}") from None
+            cfg = json.loads(file.read_bytes())
+        except OSError as e:
+            raise UserError(f"cannot read {file}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{file} is not a JSON text file (it is not UTF-8): is this a checkpoint's "
+                            f"config.json?") from None
+        except ValueError as e:               # json.JSONDecodeError
+            raise UserError(f"{file} is not valid JSON: {e}") from None
         if not isinstance(cfg, dict):
             raise UserError(f"{file} does not hold a JSON object")
         return cls.from_dict(cfg)
