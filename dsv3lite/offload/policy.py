@@ -1,19 +1,27 @@
 """Eviction policies for the global expert-slot pool, shared by the runtime and the trace simulator.
 
 Keys are (layer, expert). A policy sees every use (`touch`), every load (`admit`) and every eviction
-(`forget`), and picks a victim among the keys the caller says may be evicted. Decayed-frequency LFU is
-the default; LRU and plain LFU are kept for comparison; Belady's MIN (offline optimum) needs the future
-and lives in the simulator only.
+(`forget`), and defines an eviction order; the slot table (offload/slots.py) indexes resident keys by it, so
+choosing a victim never scans the pool. Decayed-frequency LFU is the default; LRU and plain LFU are kept for
+comparison; Belady's MIN (offline optimum) needs the future and lives in the simulator only.
+
+The order: `order(key)` is a number that changes only when the key is touched or seeded (never with time),
+compared within the key's `group(key)`; across groups the policy adds a per-group `biases()` offset. The victim
+is the key with the lowest `priority(key)` = (order + bias of its group, order, key), ties broken by key.
+A new policy is one class here plus one line in POLICIES.
 """
 from __future__ import annotations
 
 import math
+from operator import itemgetter
 
 Key = tuple[int, int]
 
 
 class Policy:
     name = "base"
+    grouped = False         # True: orders compare within a group only, groups through biases()
+    orders_grow = False     # True: a resident key's order never decreases (the slot table re-indexes lazily)
 
     def touch(self, key: Key, now: int) -> None:
         """`key` was used at step `now`."""
@@ -24,19 +32,36 @@ class Policy:
     def forget(self, key: Key) -> None:
         """`key` left the pool."""
 
-    def score(self, key: Key, now: int) -> float:
-        raise NotImplementedError
-
-    def victim(self, candidates, now: int) -> Key:
-        """The evictable key to drop: lowest score, ties broken by key for determinism."""
-        return min(candidates, key=lambda k: (self.score(k, now), k))
-
     def seed(self, counts: dict[Key, float], now: int) -> None:
         """Warm start from a popularity profile (e.g. prefill routing counts)."""
+
+    def order(self, key: Key) -> float:
+        """Eviction order within the key's group (lower: evicted first); changes only on touch/seed."""
+        raise NotImplementedError
+
+    def group(self, key: Key) -> int:
+        return 0
+
+    def biases(self, n_groups: int) -> tuple[float, ...]:
+        """Per-group offsets added to the order when groups are compared (grouped policies only). A grouped
+        policy returns the same tuple object while they do not change: the slot table re-ranks its groups
+        when it gets a new one."""
+        return (0.0,) * n_groups
+
+    def priority(self, key: Key) -> tuple:
+        """The full eviction order (lowest: the victim), as the slot table's index computes it."""
+        g = self.group(key)
+        o = self.order(key)
+        return (o + self.biases(g + 1)[g], o, key)
+
+    def victim(self, candidates, now: int | None = None) -> Key:
+        """The key to drop among explicit `candidates` (a scan; the slot table uses its index instead)."""
+        return min(candidates, key=self.priority)
 
 
 class LRU(Policy):
     name = "lru"
+    orders_grow = True
 
     def __init__(self):
         self.last: dict[Key, int] = {}
@@ -52,13 +77,14 @@ class LRU(Policy):
     def forget(self, key):
         self.last.pop(key, None)
 
-    def score(self, key, now):
+    def order(self, key):
         return self.last.get(key, -1)
 
 
 class LFU(Policy):
     """Use counts that survive eviction (a key that returns keeps its history)."""
     name = "lfu"
+    orders_grow = True
 
     def __init__(self):
         self.count: dict[Key, float] = {}
@@ -66,12 +92,19 @@ class LFU(Policy):
     def touch(self, key, now):
         self.count[key] = self.count.get(key, 0.0) + 1.0
 
-    def score(self, key, now):
+    def order(self, key):
         return self.count.get(key, 0.0)
 
     def seed(self, counts, now):
         for k, c in counts.items():
             self.count[k] = self.count.get(k, 0.0) + c
+
+
+def _log_add(a: float, b: float) -> float:
+    """log(exp(a) + exp(b)) without overflow (a or b may be -inf)."""
+    if a < b:
+        a, b = b, a
+    return a if b == -math.inf else a + math.log1p(math.exp(b - a))
 
 
 class DecayedLFU(Policy):
@@ -84,31 +117,50 @@ class DecayedLFU(Policy):
     demo-model traces (benchmarks/cache_sim.py): fewer loads than LRU at every cache size from 10% to 50%,
     where plain frequency (long half-life, no layer term) lost to LRU below 25% on the demo's evenly balanced
     experts.
+
+    Kept in log space: order = log(sum over uses of exp(rate * t_use)) = log(freq) + rate * now, which aging
+    does not change (it shifts every key alike), so keys of one layer keep their order as time passes; the
+    layer term is the group bias -log(1 + layer_discount * r / n). Groups are layers.
     """
     name = "decayed-lfu"
+    grouped = True
+    orders_grow = True
 
     def __init__(self, half_life: float = 2.0, layer_discount: float = 16.0):
         self.rate = math.log(2) / half_life
         self.layer_discount = layer_discount
-        self.value: dict[Key, tuple[float, int]] = {}     # key -> (score at step t, t)
-        self.layer = 0                                     # layer of the latest use
+        self.mass: dict[Key, float] = {}      # key -> log(sum of exp(rate * t_use)); absent: never used
+        self.layer = 0                        # layer of the latest use
         self.n_layers = 1
-
-    def _at(self, key, now) -> float:
-        v, t = self.value.get(key, (0.0, now))
-        return v * math.exp(-self.rate * (now - t))
+        self._bias_rows: dict[tuple[int, int, int], tuple[float, ...]] = {}
 
     def touch(self, key, now):
-        self.layer, self.n_layers = key[0], max(self.n_layers, key[0] + 1)
-        self.value[key] = (self._at(key, now) + 1.0, now)
-
-    def score(self, key, now):
-        ahead = (key[0] - self.layer - 1) % self.n_layers
-        return self._at(key, now) / (1.0 + self.layer_discount * ahead / self.n_layers)
+        layer = self.layer = key[0]
+        if layer >= self.n_layers:
+            self.n_layers = layer + 1
+        t, m = self.rate * now, self.mass.get(key)
+        self.mass[key] = t if m is None else _log_add(m, t)
 
     def seed(self, counts, now):
         for k, c in counts.items():
-            self.value[k] = (self._at(k, now) + c, now)
+            if c > 0:
+                self.mass[k] = _log_add(self.mass.get(k, -math.inf), math.log(c) + self.rate * now)
+
+    def order(self, key):
+        return self.mass.get(key, -math.inf)
+
+    group = itemgetter(0)       # the layer (a C callable: the slot table asks on every use)
+
+    def biases(self, n_groups):
+        row = self._bias_rows.get((self.layer, self.n_layers, n_groups))
+        if row is None:
+            n = self.n_layers
+            row = tuple(-math.log(1.0 + self.layer_discount * ((g - self.layer - 1) % n) / n)
+                        for g in range(n_groups))
+            if len(self._bias_rows) > 4096:
+                self._bias_rows.clear()
+            self._bias_rows[(self.layer, self.n_layers, n_groups)] = row
+        return row
 
 
 POLICIES = {"decayed-lfu": DecayedLFU, "lru": LRU, "lfu": LFU}

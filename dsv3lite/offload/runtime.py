@@ -15,15 +15,16 @@ from torch import nn
 
 from ..kernels import dispatch
 from ..kernels.fused_moe import fused_moe
+from ..limits import BULK_TOKENS
 from ..model import combine_experts
 from ..quant.layout import BlobLayout, ExpertFormat
-from .cache import Counters, ExpertCache, HostStore
+from .cache import ExpertCache, HostStore
+from .options import MISS_POLICIES, OffloadOptions
 from .policy import make_policy
 from .predictor import RoutePredictor
+from .stats import ExpertCacheStats, UseCounts
 
-BULK_TOKENS = 8          # more tokens than this in one MoE call: prefill, stream the layer's experts in bulk
 BULK_WINDOW = 4          # copies kept in flight ahead of compute while streaming a layer in bulk
-MISS_POLICIES = ("auto", "fetch", "cpu")
 
 
 class CostModel:
@@ -45,22 +46,12 @@ class CostModel:
 
     @classmethod
     def measure(cls, cache: ExpertCache, fmt: ExpertFormat, layout: BlobLayout, key, dtype) -> "CostModel":
-        host_blob = cache.host.blob(key)
-        slot = cache.pool[0]
-        best = float("inf")
-        for _ in range(3):
-            if cache.cuda:
-                torch.cuda.synchronize(cache.device)
-            t0 = time.perf_counter()
-            slot.copy_(host_blob, non_blocking=cache.cuda)
-            if cache.cuda:
-                torch.cuda.synchronize(cache.device)
-            best = min(best, time.perf_counter() - t0)
+        best = cache.time_copy(key)
         x = torch.zeros(1, layout.hidden, dtype=dtype)
         cpu = float("inf")
         for _ in range(2):
             t0 = time.perf_counter()
-            fmt.expert_forward(host_blob, x, layout)
+            fmt.expert_forward(cache.host.blob(key), x, layout)
             cpu = min(cpu, time.perf_counter() - t0)
         return cls(layout.blob_bytes / max(best, 1e-9), cpu, layout.blob_bytes)
 
@@ -79,44 +70,43 @@ class OffloadedExperts(nn.Module):
 
 class OffloadRuntime:
     def __init__(self, host: HostStore, fmt: ExpertFormat, layout: BlobLayout, n_slots: int,
-                 device: torch.device, dtype: torch.dtype, lookahead: int = 2, miss_policy: str = "auto",
-                 policy: str = "decayed-lfu", log=None):
-        from ..errors import UserError
-
-        if miss_policy not in MISS_POLICIES:
-            raise UserError(f"unknown --miss-policy {miss_policy!r}: use {', '.join(MISS_POLICIES)}")
+                 device: torch.device, dtype: torch.dtype, options: OffloadOptions = OffloadOptions(), plan=None,
+                 log=None):
+        assert options.miss_policy in MISS_POLICIES, options.miss_policy
         self.host, self.fmt, self.layout = host, fmt, layout
         self.device, self.dtype = device, dtype
-        self.lookahead = lookahead
-        self.miss_policy = miss_policy
-        self.cache = ExpertCache(n_slots, host, device, make_policy(policy))
+        self.options = options
+        self.plan = plan                                  # the OffloadPlan that sized the pool, when known
+        self.cache = ExpertCache(n_slots, host, device, make_policy(options.cache_policy))
+        self.slots = self.cache.slots                     # the bookkeeping: pins, uses, the clock
         self.log = log or (lambda m: None)
         self.predictor: RoutePredictor | None = None
-        self.first_moe_layer: int | None = None
-        self.known_ids: dict[int, list[list[int]]] = {}        # layer -> exact routing read by the hook
+        self.observer = None                              # the model observer handle, once attached
+        self.first_moe_layer = min(host.layers)           # a step starts at the first MoE layer
+        self.known_ids: dict[int, list[list[int]]] = {}        # layer -> exact routing read after attention
         self.pending: dict[int, list[tuple[int, set[int]]]] = {}  # layer -> [(distance, predicted set)]
         self.prefill_counts: dict[tuple[int, int], int] = {}
-        self.per_layer: dict[int, Counters] = {}
+        self.uses = UseCounts()
+        self.per_layer: dict[int, UseCounts] = {}
+        self.predictor_counts: dict[int, list[int]] = {}  # distance -> [true positives, predicted, actual]
         any_key = (next(iter(host.layers)), 0)
         self.cost = CostModel.measure(self.cache, fmt, layout, any_key, dtype)
-        self.fused = dispatch.use_kernels(device)        # decode steps through the fused MoE kernel
-        self._t_start = time.perf_counter()
+        self.fused = dispatch.use_kernels(device) and fmt.fused_kernel   # decode through the fused MoE kernel
 
     # --- wiring --------------------------------------------------------------------------------
     def provider(self, layer_id: int) -> OffloadedExperts:
         return OffloadedExperts(self, layer_id)
 
     def attach(self, model) -> None:
-        self.predictor = RoutePredictor(model, self.lookahead)
-        self.first_moe_layer = min(m.layer_id for m in model.moe_modules())
-        previous = model.layer_hook
+        """Predict and prefetch after each of `model`'s attention layers (detach() undoes it)."""
+        assert self.observer is None, "already attached"
+        self.predictor = RoutePredictor(model, self.options.lookahead)
+        self.observer = model.add_observer(on_attention=self.after_attention)
 
-        def hook(layer, h):
-            if previous is not None:
-                previous(layer, h)
-            self.after_attention(layer, h)
-
-        model.layer_hook = hook
+    def detach(self) -> None:
+        if self.observer is not None:
+            self.observer.remove()
+            self.observer = None
 
     # --- prediction and prefetch ----------------------------------------------------------------
     def after_attention(self, layer, h: torch.Tensor) -> None:
@@ -132,7 +122,7 @@ class OffloadRuntime:
                 self.known_ids[target] = rows
             else:
                 self.pending.setdefault(target, []).append((distance, chosen))
-        self.cache.pinned = pins
+        self.slots.set_pins(pins)
         # prefetch nearest layers first, never evicting what is pinned or in flight
         for target, (distance, rows) in sorted(predicted.items(), key=lambda kv: kv[1][0]):
             if distance == 0:
@@ -146,47 +136,45 @@ class OffloadRuntime:
     def forward(self, layer_id: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if layer_id == self.first_moe_layer:
-            self.cache.now += 1
+            self.slots.advance()
         rows = self.known_ids.pop(layer_id, None)
         if rows is None or len(rows) != n:
             rows = ids.tolist()
-        counts = self.per_layer.setdefault(layer_id, Counters())
+        counts = self.per_layer.get(layer_id)
+        if counts is None:
+            counts = self.per_layer[layer_id] = UseCounts()
         if n > BULK_TOKENS:
             return self._bulk(layer_id, x, ids, weights, rows, counts)
         used = sorted({e for row in rows for e in row})
         self._score_predictions(layer_id, set(used))
-        self.cache.pinned |= {(layer_id, e) for e in used}
+        keys = [(layer_id, e) for e in used]
+        self.slots.pin(keys)
         place = {e: self._place(layer_id, e, n, counts) for e in used}
-        if self.fused and self.layout.format != "nf4":
+        if self.fused:
             out = self._fused(layer_id, x, ids, weights, rows, place)
         else:
             out = combine_experts(lambda e, xs: self._compute(place[e], layer_id, e, xs), x, ids, weights,
                                   host_ids=rows)
         self.cache.release([s for s in place.values() if s is not None])
+        self.slots.unpin(keys)                   # released: the slots may be reused once this compute is done
         self.cache.collect_copy_time()
         return out
 
-    def _place(self, layer_id: int, e: int, n_tokens: int, counts: Counters) -> int | None:
+    def _place(self, layer_id: int, e: int, n_tokens: int, counts: UseCounts) -> int | None:
         """Slot that will serve expert e (None: compute it on the CPU); updates hit/miss counters."""
         key = (layer_id, e)
-        cache = self.cache
-        cache.policy.touch(key, cache.now)
-        slot = cache.lookup(key)
-        if slot is not None:
-            s = cache.slots[slot]
-            kind = "prefetch_hits" if (s.kind == "prefetch" and not s.used) else "hits"
-            s.used = True
-            self._count(counts, kind)
-            return slot
+        served = self.slots.use(key)
+        if served is not None:
+            self._count(counts, "prefetch_hits" if served == "prefetch_hit" else "hits")
+            return self.slots.lookup(key)
         self._count(counts, "demand_misses")
-        use_cpu = self.miss_policy == "cpu" or (self.miss_policy == "auto" and self.cost.prefer_cpu(n_tokens))
-        if not use_cpu:
-            slot = cache.load(key, "demand")
+        miss_policy = self.options.miss_policy
+        if not (miss_policy == "cpu" or (miss_policy == "auto" and self.cost.prefer_cpu(n_tokens))):
+            slot = self.cache.load(key, "demand")
             if slot is None:                          # demand outranks predictions for later layers
-                cache.pinned = {k for k in cache.pinned if k[0] == layer_id}
-                slot = cache.load(key, "demand")
+                self.slots.keep_pins(layer_id)
+                slot = self.cache.load(key, "demand")
             if slot is not None:
-                cache.slots[slot].used = True
                 return slot
         self._count(counts, "cpu_experts")
         return None
@@ -235,7 +223,7 @@ class OffloadRuntime:
             e = used[i]
             if e in place:
                 return
-            cache.pinned.add((layer_id, e))
+            self.slots.pin([(layer_id, e)])
             place[e] = self._place(layer_id, e, per_expert[e], counts)
 
         def compute(e, xs):
@@ -245,7 +233,7 @@ class OffloadRuntime:
             y = self._compute(place[e], layer_id, e, xs)
             if place[e] is not None:
                 cache.release([place[e]])
-            cache.pinned.discard((layer_id, e))
+            self.slots.unpin([(layer_id, e)])
             return y
 
         out = combine_experts(compute, x, ids, weights, host_ids=rows)
@@ -258,52 +246,38 @@ class OffloadRuntime:
         counts, self.prefill_counts = self.prefill_counts, {}
         if not counts:
             return
-        cache = self.cache
-        cache.policy.seed({k: float(v) for k, v in counts.items()}, cache.now)
-        free = cache.n_slots - len(cache.slot_of)
-        for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:max(free, 0)]:
-            if cache.lookup(key) is None:
-                cache.load(key, "seed")
-        cache.pinned = set()
+        self.slots.seed({k: float(v) for k, v in counts.items()})
+        free = len(self.slots.free)
+        for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:free]:
+            if self.cache.lookup(key) is None:
+                self.cache.load(key, "seed")
+        self.slots.set_pins(())
 
     # --- telemetry ------------------------------------------------------------------------------
-    def _count(self, counts: Counters, field: str) -> None:
+    def _count(self, counts: UseCounts, field: str) -> None:
         setattr(counts, field, getattr(counts, field) + 1)
-        setattr(self.cache.stats, field, getattr(self.cache.stats, field) + 1)
+        setattr(self.uses, field, getattr(self.uses, field) + 1)
 
     def _score_predictions(self, layer_id: int, actual: set[int]) -> None:
         for distance, predicted in self.pending.pop(layer_id, []):
-            row = self.cache.stats.predictor.setdefault(distance, [0, 0, 0])
+            row = self.predictor_counts.setdefault(distance, [0, 0, 0])
             row[0] += len(predicted & actual)
             row[1] += len(predicted)
             row[2] += len(actual)
 
     def reset_stats(self) -> None:
         self.cache.drain()
-        self.cache.stats = Counters()
+        self.cache.reset_counts()
+        self.uses = UseCounts()
         self.per_layer = {}
+        self.predictor_counts = {}
         self.pending = {}
-        self._t_start = time.perf_counter()
 
     def stats(self) -> dict:
+        """The `expert_cache` entry of the engine's stats (offload/stats.py)."""
         self.cache.collect_copy_time()
-        s = self.cache.stats
-        tp = sum(r[0] for r in s.predictor.values())
-        pred = sum(r[1] for r in s.predictor.values())
-        act = sum(r[2] for r in s.predictor.values())
-        return {
-            "hits": s.hits, "prefetch_hits": s.prefetch_hits, "demand_misses": s.demand_misses,
-            "hit_rate": (s.hits + s.prefetch_hits) / s.uses if s.uses else 0.0,
-            "h2d_bytes": s.h2d_bytes, "h2d_gb_s": s.h2d_bytes / s.copy_s / 1e9 if s.copy_s > 0 else 0.0,
-            "stall_ms": s.stall_s * 1e3, "cpu_experts": s.cpu_experts,
-            "predictor_precision": tp / pred if pred else 0.0, "predictor_recall": tp / act if act else 0.0,
-            "predictor_by_distance": {d: {"precision": r[0] / r[1] if r[1] else 0.0,
-                                          "recall": r[0] / r[2] if r[2] else 0.0}
-                                      for d, r in sorted(s.predictor.items())},
-            "prefetches": s.prefetches, "prefetches_wasted": s.prefetches_wasted, "evictions": s.evictions,
-            "slots": self.cache.n_slots, "resident_experts": len(self.cache.slot_of),
-            "host_tier": self.host.mode, "miss_policy": self.miss_policy,
-            "per_layer": {l: {"hits": c.hits, "prefetch_hits": c.prefetch_hits, "demand_misses": c.demand_misses,
-                              "hit_rate": (c.hits + c.prefetch_hits) / c.uses if c.uses else 0.0}
-                          for l, c in sorted(self.per_layer.items())},
-        }
+        return ExpertCacheStats.collect(
+            self.uses, self.per_layer, self.cache.counts, self.predictor_counts,
+            prefetches_wasted=self.slots.wasted_prefetches, evictions=self.slots.evictions,
+            slots=self.slots.n_slots, resident_experts=len(self.slots), host_tier=self.host.mode,
+            miss_policy=self.options.miss_policy).as_dict()

@@ -3,21 +3,24 @@
 `TraceRecorder` (used by `dsv3lite trace`) writes, for every forward step and MoE layer, the experts each
 token used and the predictions made 1..d layers earlier (JSON lines). `simulate` replays the decode
 accesses of a trace against a slot pool of a given size under LRU / LFU / decayed-LFU (the runtime's own
-policy classes) or Belady's MIN (the offline optimum), optionally with router-predicted prefetch, and
-counts every load: demand misses plus prefetches, wasted ones included.
+policy classes and its own slot table, offload/slots.py) or Belady's MIN (the offline optimum), optionally
+with router-predicted prefetch, and counts every load: demand misses plus prefetches, wasted ones included.
 """
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from .policy import Key, make_policy
+from .policy import Key, Policy, make_policy
 from .predictor import RoutePredictor
+from .slots import SlotTable
 
 
 class TraceRecorder:
-    """Records routing (distance 0) and predictions (distance >= 1) from a model's layer hook."""
+    """Records routing (distance 0) and predictions (distance >= 1) after each of a model's attention layers
+    (a model observer; detach() removes it)."""
 
     def __init__(self, model, lookahead: int = 3):
         self.predictor = RoutePredictor(model, lookahead)
@@ -25,14 +28,10 @@ class TraceRecorder:
         self.events: list[dict] = []
         self.step = -1
         self.phase = "prefill"
-        previous = model.layer_hook
+        self.observer = model.add_observer(on_attention=self.record)
 
-        def hook(layer, h):
-            if previous is not None:
-                previous(layer, h)
-            self.record(layer, h)
-
-        model.layer_hook = hook
+    def detach(self) -> None:
+        self.observer.remove()
 
     def record(self, layer, h) -> None:
         if layer is self.first_layer:
@@ -81,10 +80,12 @@ def read_trace(path: str | Path, phase: str = "decode") -> Trace:
 class SimResult:
     policy: str
     slots: int
-    uses: int
-    demand_loads: int
-    prefetch_loads: int
-    wasted_prefetches: int
+    uses: int = 0
+    demand_loads: int = 0
+    prefetch_loads: int = 0
+    wasted_prefetches: int = 0
+    evictions: int = 0
+    resident: tuple[Key, ...] = ()          # the pool at the end, sorted
 
     @property
     def loads(self) -> int:
@@ -95,76 +96,55 @@ class SimResult:
         return 1 - self.demand_loads / self.uses if self.uses else 0.0
 
 
+class Belady(Policy):
+    """Belady's MIN as an order: the resident key whose next use is farthest away goes first. Built from the
+    whole access sequence; each touch moves a key to its next use."""
+    name = "belady"
+
+    def __init__(self, sequence: list[Key]):
+        self.future: dict[Key, deque[int]] = {}
+        for pos, key in enumerate(sequence):
+            self.future.setdefault(key, deque()).append(pos)
+
+    def touch(self, key, now):
+        self.future[key].popleft()
+
+    def order(self, key):
+        uses = self.future.get(key)
+        return -uses[0] if uses else -(1 << 60)
+
+
 def simulate(trace: Trace, slots: int, policy: str, prefetch_distance: int = 0) -> SimResult:
-    """Replay decode accesses. policy: lru | lfu | decayed-lfu | belady. prefetch_distance d > 0 loads the
-    experts predicted d layers ahead (as the runtime does) before they are needed."""
+    """Replay decode accesses through the runtime's slot table. policy: lru | lfu | decayed-lfu | belady.
+    prefetch_distance d > 0 loads the experts predicted d layers ahead (as the runtime does) before they are
+    needed (not with belady, which is the bound for demand paging)."""
     if policy == "belady":
-        return _belady(trace, slots)
-    pol = make_policy(policy)
-    resident: dict[Key, bool] = {}          # key -> still unused since a prefetch loaded it
-    res = SimResult(policy if not prefetch_distance else f"{policy}+prefetch@{prefetch_distance}", slots,
-                    0, 0, 0, 0)
-
-    def load(key, now, pinned, prefetched) -> bool:
-        if len(resident) >= slots:
-            candidates = [k for k in resident if k not in pinned]
-            if not candidates:
-                return False
-            victim = pol.victim(candidates, now)
-            if resident.pop(victim):
-                res.wasted_prefetches += 1
-            pol.forget(victim)
-        resident[key] = prefetched
-        pol.admit(key, now)
-        return True
-
+        table = SlotTable(slots, Belady([k for _, keys in trace.accesses for k in keys]))
+        prefetch_distance = 0
+    else:
+        table = SlotTable(slots, make_policy(policy))
+    res = SimResult(policy if not prefetch_distance else f"{policy}+prefetch@{prefetch_distance}", slots)
     for step, keys in trace.accesses:
-        layer = keys[0][0] if keys else None
-        pinned = set(keys)
+        table.advance(step)
+        table.set_pins(keys)                  # the keys of the current access are never evicted
         for key in keys:
             res.uses += 1
-            pol.touch(key, step)
-            if key in resident:
-                resident[key] = False
-            else:
+            if table.use(key) is None:
                 res.demand_loads += 1
-                load(key, step, pinned, False)
-        if prefetch_distance and layer is not None:
+                table.allocate(key, "demand")
+        if prefetch_distance and keys:
             # what the runtime prefetches after this layer's attention: predictions for layer + d
+            layer = keys[0][0]
             for d in range(1, prefetch_distance + 1):
                 target = layer + d
                 predicted = trace.predictions.get((step, target), {}).get(d)
                 if not predicted:
                     continue
                 want = {(target, e) for e in predicted}
-                for key in sorted(want - set(resident)):
-                    if load(key, step, pinned | want, True):
+                table.set_pins(set(keys) | want)
+                for key in sorted(k for k in want if k not in table):
+                    if table.allocate(key, "prefetch") is not None:
                         res.prefetch_loads += 1
-    return res
-
-
-def _belady(trace: Trace, slots: int) -> SimResult:
-    """Belady's MIN: on a miss evict the resident key whose next use is farthest away (never one of the
-    keys of the current access). Optimal in loads for demand paging."""
-    seq: list[tuple[int, Key]] = [(i, k) for i, (_, keys) in enumerate(trace.accesses) for k in keys]
-    next_use: dict[int, int] = {}
-    last: dict[Key, int] = {}
-    for pos in range(len(seq) - 1, -1, -1):
-        _, k = seq[pos]
-        next_use[pos] = last.get(k, 1 << 60)
-        last[k] = pos
-    resident: dict[Key, int] = {}           # key -> position of its next use
-    res = SimResult("belady", slots, 0, 0, 0, 0)
-    pos = 0
-    for i, (_, keys) in enumerate(trace.accesses):
-        pinned = set(keys)
-        for k in keys:
-            res.uses += 1
-            if k not in resident:
-                res.demand_loads += 1
-                if len(resident) >= slots:
-                    victim = max((c for c in resident if c not in pinned), key=lambda c: (resident[c], c))
-                    del resident[victim]
-            resident[k] = next_use[pos]
-            pos += 1
+    res.wasted_prefetches, res.evictions = table.wasted_prefetches, table.evictions
+    res.resident = tuple(sorted(table.resident_keys()))
     return res
