@@ -37,7 +37,7 @@ def make_traces(weights, tokens: int, lookahead: int, out_dir: Path) -> list[Pat
         path = out_dir / f"trace{i}.jsonl"
         rec.write(path, {"weights": llm.weights, "n_experts": a.n_routed_experts, "top_k": a.num_experts_per_tok,
                          "moe_layers": [m.layer_id for m in llm.model.moe_modules()], "lookahead": lookahead})
-        llm.model.layer_hook = None
+        rec.detach()
         paths.append(path)
     return paths
 

@@ -156,6 +156,7 @@ def stage_copy(res: Results, layout, device):
 def stage_decode(res, args, device, dtype, layout, fmt, blobs, fractions, prompt_len, tokens, copy_peak, ctx):
     from dsv3lite.experts import BlobExperts
     from dsv3lite.offload.cache import HostStore
+    from dsv3lite.offload.options import OffloadOptions
     from dsv3lite.offload.planner import make_plan
     from dsv3lite.offload.runtime import OffloadRuntime
 
@@ -183,11 +184,10 @@ def stage_decode(res, args, device, dtype, layout, fmt, blobs, fractions, prompt
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             rt = OffloadRuntime(HostStore(blobs, layout.blob_bytes, "pinned" if device.type == "cuda" else "memory"),
-                                fmt, layout, n_slots, device, dtype, lookahead=lookahead,
-                                miss_policy="fetch")
+                                fmt, layout, n_slots, device, dtype,
+                                OffloadOptions(lookahead=lookahead, miss_policy="fetch"))
             for moe in model.moe_modules():
                 moe.experts = rt.provider(moe.layer_id)
-            model.layer_hook = None
             rt.attach(model)
             eng = engine_for(model, args, device, dtype, ctx)
             eng.offload = rt
@@ -201,8 +201,8 @@ def stage_decode(res, args, device, dtype, layout, fmt, blobs, fractions, prompt
                          f"{h2d:.1f}" + (f" ({h2d / copy_peak:.0%})" if copy_peak else ""),
                          f"{s['stall_ms']:.0f}", f"{s['predictor_recall']:.1%}",
                          f"{peak / 2**30:.1f} GiB" + (" OK" if peak <= budget else " OVER")])
+            rt.detach()
             del eng, rt
-            model.layer_hook = None
             gc.collect()
     res.table("decode", f"Decode, synthetic V3 layers ({len(args.moe_layer_ids)} MoE layers, int4 experts)",
               ["mode", "--gpu-mem", "slots", "decode tok/s", "vs resident", "hit rate", "H2D GB/s (of peak)",
@@ -274,6 +274,7 @@ def stage_accelerate(res, device, layers_ours_rows, ours_layers, tokens=3):
 def stage_mtp_cost(res, model, args, device, dtype, layout, fmt, blobs, fractions, ctx):
     """Time of a 1-token step vs a 2-token verify forward on the offloaded model (union of experts)."""
     from dsv3lite.offload.cache import HostStore
+    from dsv3lite.offload.options import OffloadOptions
     from dsv3lite.offload.runtime import OffloadRuntime
 
     rows = []
@@ -281,10 +282,9 @@ def stage_mtp_cost(res, model, args, device, dtype, layout, fmt, blobs, fraction
     for frac in fractions:
         n_slots = max(int(total * frac), 2 * args.num_experts_per_tok)
         rt = OffloadRuntime(HostStore(blobs, layout.blob_bytes, "pinned" if device.type == "cuda" else "memory"),
-                            fmt, layout, n_slots, device, dtype, lookahead=2, miss_policy="fetch")
+                            fmt, layout, n_slots, device, dtype, OffloadOptions(miss_policy="fetch"))
         for moe in model.moe_modules():
             moe.experts = rt.provider(moe.layer_id)
-        model.layer_hook = None
         rt.attach(model)
         eng = engine_for(model, args, device, dtype, ctx)
         eng.offload = rt
@@ -304,8 +304,8 @@ def stage_mtp_cost(res, model, args, device, dtype, layout, fmt, blobs, fraction
         t1, t2 = statistics.median(times[1]), statistics.median(times[2])
         rows.append([f"{n_slots}/{total}", f"{t1 * 1e3:.1f}", f"{t2 * 1e3:.1f}", f"{t2 / t1:.2f}",
                      f"{1.8 * t1 / t2:.2f}x", f"{1.6 * t1 / t2:.2f}x"])
+        rt.detach()
         del eng, rt
-        model.layer_hook = None
         gc.collect()
     res.table("mtp", "MTP verify cost on the offloaded model",
               ["slots", "1-token step ms", "2-token verify ms", "verify / step", "speedup at 80% accept",
