@@ -103,3 +103,17 @@ def test_plan_command_reads_no_weights(capsys, monkeypatch, v3_dir):
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "expert slots" in out and "experts resident" in out
+
+
+def test_expert_cache_stats_and_bookkeeping_after_generation(v3_dir):
+    from dsv3lite.offload.stats import empty_expert_cache_stats
+
+    llm = load(v3_dir, experts="bf16", gpu_mem=budget_for(v3_dir, 8, "bf16"), miss_policy="fetch")
+    greedy(llm, 8)
+    s = llm.stats()["expert_cache"]
+    assert set(s) == set(empty_expert_cache_stats())                 # one key list, offloaded or not
+    assert s["slots"] == s["resident_experts"] == 8 and s["evictions"] > 0
+    assert s["h2d_bytes"] == llm.offload.cache.counts.h2d_copies * llm.offload.layout.blob_bytes
+    llm.offload.slots.check()                                         # the slot table's invariants hold
+    llm.offload.detach()
+    assert llm.offload.observer is None and not llm.model.observers.attention
