@@ -22,8 +22,8 @@ import torch
 
 from . import dispatch
 from .dispatch import jit as _jit, tl, triton
-from .quant_matmul import (FMT_CODES, FMT_FP8, FMT_INT4, _X_DTYPES, _acc_result, _acc_zeros, _cast, _dot_step,
-                           dot_precision, num_tiles, plan_blocks)
+from .quant_matmul import (FMT_CODES, FMT_FP8, FMT_FP8_BYTES, FMT_INT4, _X_DTYPES, _acc_result, _acc_zeros, _cast,
+                           _dot_step, dot_precision, fp8_code, fp8_weight_view, num_tiles, plan_blocks)
 from ..quant.layout import BlobLayout, MATRICES
 
 
@@ -90,7 +90,7 @@ def _moe_gate_up_kernel(
         n_ok = offs_n < I
         wbase = wpool_ptr + slot.to(tl.int64) * wslot
         sbase = spool_ptr + slot.to(tl.int64) * sslot
-        if FMT == 1:
+        if FMT == 1 or FMT == 3:
             s_off = (offs_n // 128) * stride_sn
         else:
             s_off = offs_n * stride_sn
@@ -128,7 +128,7 @@ def _moe_down_kernel(
     ids = tl.load(ids_ptr + rows[:, None] * stride_im + cols[None, :], mask=id_ok, other=-1).to(tl.int32)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
-    if FMT == 1:
+    if FMT == 1 or FMT == 3:
         s_off = (offs_n // 128) * stride_sn
     else:
         s_off = offs_n * stride_sn
@@ -167,12 +167,12 @@ def _moe_down_kernel(
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-def _pool_views(pool: torch.Tensor, layout: BlobLayout):
+def _pool_views(pool: torch.Tensor, layout: BlobLayout, fmt: int):
     """(weight pool view, scale pool view, {component: element offset}, {matrix: (weight row, scale row stride)})."""
     if layout.format == "int4":
         wview, sview, wpart, sparts = pool, pool.view(torch.float16), "qweight", ("scales", "zeros")
     elif layout.format == "fp8":
-        wview, sview, wpart, sparts = pool.view(torch.float8_e4m3fn), pool.view(torch.float32), "weight", ("scale",)
+        wview, sview, wpart, sparts = fp8_weight_view(pool, fmt), pool.view(torch.float32), "weight", ("scale",)
     elif layout.format == "bf16":
         wview, sview, wpart, sparts = pool.view(torch.bfloat16), pool.view(torch.bfloat16), "weight", ()
     else:
@@ -213,6 +213,8 @@ def fused_moe(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, 
     fmt = FMT_CODES.get(layout.format)
     if fmt is None:
         raise ValueError(f"fused_moe has no kernel for {layout.format!r} experts; use fused_moe_ref")
+    if fmt == FMT_FP8:
+        fmt = fp8_code(x.device)
     assert pool.stride(0) % 16 == 0, f"pool row stride {pool.stride(0)} must be a multiple of 16 bytes"
     m, d = x.shape
     top_k = expert_ids.shape[1]
@@ -225,8 +227,8 @@ def fused_moe(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, 
     if m == 0:
         return y
     assert m * max(x.stride(0), top_k * max(inter, d)) < 2**31, "offsets are int32: split the batch"
-    wview, sview, off, strides = _pool_views(pool, layout)
-    group = layout.group_size if fmt == FMT_INT4 else (128 if fmt == FMT_FP8 else 0)
+    wview, sview, off, strides = _pool_views(pool, layout, fmt)
+    group = layout.group_size if fmt == FMT_INT4 else (128 if fmt in (FMT_FP8, FMT_FP8_BYTES) else 0)
     upcast = dispatch.interpreted()
     precision = dot_precision(x.dtype, upcast)
     block_ke = triton.next_power_of_2(top_k)

@@ -7,6 +7,7 @@ Every launcher takes component tensors as views (`BlobLayout.view`), so they may
 """
 from __future__ import annotations
 
+import os
 import torch
 import torch.nn.functional as F
 
@@ -16,8 +17,31 @@ from ..quant.fp8 import BLOCK as FP8_BLOCK, fp8_block_dequant, scale_grid_shape
 from ..quant.int4 import int4_dequant, padded_k
 
 
-FMT_INT4, FMT_FP8, FMT_BF16 = 0, 1, 2   # the `FMT` constexpr of every kernel
+# the `FMT` constexpr of every kernel. FMT_FP8_BYTES: fp8 weights read as bytes and decoded with bit arithmetic,
+# for GPUs whose Triton has no fp8e4nv type (compute capability below 8.9)
+FMT_INT4, FMT_FP8, FMT_BF16, FMT_FP8_BYTES = 0, 1, 2, 3
 FMT_CODES = {"int4": FMT_INT4, "fp8": FMT_FP8, "bf16": FMT_BF16}
+FP8_NATIVE_CAPABILITY = (8, 9)          # Triton's fp8e4nv type: Ada, Hopper and later
+
+
+def fp8_code_for(capability: tuple[int, int]) -> int:
+    """FMT_FP8 (Triton's fp8e4nv type) from compute capability 8.9 on, else FMT_FP8_BYTES."""
+    return FMT_FP8 if tuple(capability) >= FP8_NATIVE_CAPABILITY else FMT_FP8_BYTES
+
+
+def fp8_code(device: torch.device) -> int:
+    """How the kernels read fp8 weights on `device`. DSV3LITE_FP8_DECODE=bytes forces the byte decode (tests run
+    it in the interpreter, whose fp8 type works like a recent GPU's)."""
+    if os.environ.get("DSV3LITE_FP8_DECODE", "").strip().lower() == "bytes":
+        return FMT_FP8_BYTES
+    if torch.device(device).type != "cuda":
+        return FMT_FP8
+    return fp8_code_for(torch.cuda.get_device_capability(device))
+
+
+def fp8_weight_view(t: torch.Tensor, code: int) -> torch.Tensor:
+    """fp8 weight bytes as the kernels read them for `code`: float8_e4m3fn, or uint8 for the byte decode."""
+    return t.view(torch.float8_e4m3fn) if code == FMT_FP8 else t.view(torch.uint8)
 DOT_MIN_ROWS = 3                        # from this many rows up, tensor-core tl.dot; below, fp32 multiply-adds
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -44,6 +68,21 @@ def _cast(v, dtype, EMULATE_RNE: tl.constexpr):
             bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
             v = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
     return v.to(dtype)
+
+
+@_jit
+def _e4m3_to_f32(q):
+    # float8 e4m3fn bytes -> their exact fp32 values, by integer arithmetic only (no fp8 type, no denormals):
+    # sign | exponent e (4 bits, bias 7) | mantissa m (3 bits); e = 0 is subnormal: m * 2^-9, else (8 + m) * 2^(e - 10);
+    # 0x7F / 0xFF are NaN
+    b = q.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    mant = tl.where(e == 0, m, m + 8).to(tl.float32)
+    power = ((tl.where(e == 0, -9, e - 10) + 127) << 23).to(tl.float32, bitcast=True)
+    v = mant * power
+    v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+    return tl.where((b & 0x80) != 0, -v, v)
 
 
 @_jit
@@ -121,9 +160,12 @@ def _dot_step(acc, it, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, z_ptr, s_o
         k_ok = k < k_in
         xt = tl.load(x_ptr + (x_off[:, None] + k[None, :]), mask=x_ok[:, None] & k_ok[None, :], other=0.0)
         q = tl.load(w_ptr + (w_off[None, :] + k[:, None]), mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FMT == 1:   # fp8: bf16(fp32(q) * s), then the compute dtype
+        if FMT == 1 or FMT == 3:   # fp8: bf16(fp32(q) * s), then the compute dtype
             s = tl.load(s_ptr + (s_off + (it * BLOCK_K) // 128), mask=n_ok, other=0.0)[None, :]
-            w = q.to(tl.float32) * s
+            if FMT == 3:
+                w = _e4m3_to_f32(q) * s
+            else:
+                w = q.to(tl.float32) * s
             if UPCAST:
                 bits = w.to(tl.uint32, bitcast=True)
                 w = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
@@ -155,7 +197,7 @@ def _quant_matmul_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    if FMT == 1:
+    if FMT == 1 or FMT == 3:
         s_off = (offs_n // 128) * stride_sn
     else:
         s_off = offs_n * stride_sn
@@ -194,7 +236,7 @@ def plan_blocks(fmt: int, m: int, n: int, k: int, group: int, use_dot: bool | No
     else:
         bk = block_k or 64
         assert bk & (bk - 1) == 0, f"block_k must be a power of two, got {bk}"
-        assert fmt != FMT_FP8 or bk <= FP8_BLOCK, f"fp8 block_k must divide {FP8_BLOCK}, got {bk}"
+        assert fmt not in (FMT_FP8, FMT_FP8_BYTES) or bk <= FP8_BLOCK, f"fp8 block_k must divide {FP8_BLOCK}, got {bk}"
         bk = max(16, min(bk, triton.next_power_of_2(k)))   # 16: the smallest K of a tl.dot
     return block_m, bn, bk, use_dot
 
@@ -342,7 +384,8 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, 
     n, k = _check_fp8(weight, scale)
     _check_x(x, k)
     assert x.device == weight.device, f"x is on {x.device}, weight on {weight.device}"
-    return _launch(FMT_FP8, x, weight, scale, scale, n, k, FP8_BLOCK, scale.stride(0),
+    code = fp8_code(x.device)
+    return _launch(code, x, fp8_weight_view(weight, code), scale, scale, n, k, FP8_BLOCK, scale.stride(0),
                    use_dot, block_n, block_k, split_k, num_warps, num_stages)
 
 

@@ -293,3 +293,39 @@ def test_fused_moe_compiles_for_sm90():
         cases.append(("_moe_gate_up_kernel", gate_up, consts))
         cases.append(("_moe_down_kernel", down, dict(consts, HAS_EXTERNAL=code == 1)))
     compile_for_sm90("dsv3lite.kernels.fused_moe", cases)
+
+
+# --- fp8 experts on GPUs without Triton's fp8 type (sm_80 / sm_86): bytes decoded with bit arithmetic ---
+
+@pytest.mark.parametrize("m,dtype", [(1, torch.float32), (2, torch.bfloat16)])
+def test_fp8_byte_decode_matches_twin(monkeypatch, m, dtype):
+    monkeypatch.setenv("DSV3LITE_FP8_DECODE", "bytes")
+    ex = experts("fp8", 128)
+    slot_of_expert, pool = ex.scattered_pool(seed=m)
+    x, ids, weights = routing(m, 4, dtype, seed=m)
+    got = fm.fused_moe(x, ids, weights, slot_of_expert, pool, ex.layout, **WIDE)
+    want = fm.fused_moe_ref(x, ids, weights, slot_of_expert, pool, ex.layout)
+    assert_close(f"fp8 bytes M={m}", got, want, TOLERANCES[dtype])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
+@pytest.mark.parametrize("arch", [80, 86, 89])
+def test_fused_moe_fp8_compiles_for_pre_hopper_gpus(arch):
+    from dsv3lite.kernels.quant_matmul import FMT_FP8, fp8_code_for
+    from dsv3lite.testing import compile_for_gpu
+
+    pytest.importorskip("triton.backends.nvidia")
+    code = fp8_code_for((arch // 10, arch % 10))
+    wtype = "*fp8e4nv" if code == FMT_FP8 else "*u8"
+    common = dict(wslot="i64", sslot="i64", M="i32", D="i32", I="i32", n_tiles="i32", stride_wn="i32",
+                  stride_sn="i32", stride_im="i32")
+    consts = dict(TOP_K=8, FMT=code, GROUP=128, BLOCK_M=2, BLOCK_KE=8, BLOCK_N=16, BLOCK_K=64, USE_DOT=False,
+                  UPCAST=False, PRECISION="tf32")
+    gate_up = dict(common, x_ptr="*bf16", ids_ptr="*i64", slot_ptr="*i32", wpool_ptr=wtype, spool_ptr="*fp32",
+                   h_ptr="*bf16", stride_xm="i32", gate_w="i32", gate_s="i32", gate_z="i32", up_w="i32",
+                   up_s="i32", up_z="i32")
+    down = dict(common, E="i32", h_ptr="*bf16", ids_ptr="*i64", weights_ptr="*fp32", slot_ptr="*i32",
+                wpool_ptr=wtype, spool_ptr="*fp32", ext_ptr="*bf16", y_ptr="*bf16", stride_rm="i32",
+                stride_ym="i32", down_w="i32", down_s="i32", down_z="i32")
+    compile_for_gpu("dsv3lite.kernels.fused_moe", [("_moe_gate_up_kernel", gate_up, consts),
+                                                   ("_moe_down_kernel", down, dict(consts, HAS_EXTERNAL=True))], arch)

@@ -259,3 +259,54 @@ def test_quant_matmul_compiles_for_sm90():
                           USE_DOT=use_dot, UPCAST=False, PRECISION="ieee" if xtype == "fp32" else "tf32")
             cases.append(("_quant_matmul_kernel", sig, consts))
     compile_for_sm90("dsv3lite.kernels.quant_matmul", cases)
+
+
+# --- fp8 on GPUs without Triton's fp8 type: weights read as bytes, decoded with bit arithmetic --------
+
+@triton.jit
+def _e4m3_decode_kernel(q_ptr, out_ptr):
+    offs = triton.language.arange(0, 256)
+    triton.language.store(out_ptr + offs, qm._e4m3_to_f32(triton.language.load(q_ptr + offs)))
+
+
+def test_e4m3_byte_decode_matches_torch_on_all_256_codes():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+    got = torch.empty(256, dtype=torch.float32, device=DEVICE)
+    _e4m3_decode_kernel[(1,)](codes, got)
+    want = codes.view(torch.float8_e4m3fn).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))          # -0.0 stays negative
+    assert int(torch.isnan(got).sum()) == 2 and float(got[0x7E]) == 448.0 and float(got[1]) == 2.0 ** -9
+
+
+def test_fp8_decode_is_chosen_by_compute_capability(monkeypatch):
+    assert [qm.fp8_code_for(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0))] == \
+        [qm.FMT_FP8_BYTES, qm.FMT_FP8_BYTES, qm.FMT_FP8, qm.FMT_FP8, qm.FMT_FP8]
+    monkeypatch.setenv("DSV3LITE_FP8_DECODE", "bytes")
+    assert qm.fp8_code(DEVICE) == qm.FMT_FP8_BYTES
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a16_byte_decode_matches_twin(monkeypatch, m, dtype):
+    monkeypatch.setenv("DSV3LITE_FP8_DECODE", "bytes")
+    wq, sc = make_fp8(130, 200)
+    x = make_x(m, 200, dtype)
+    assert_close("w8a16 bytes", qm.w8a16_matmul(x, wq, sc), qm.w8a16_matmul_ref(x, wq, sc), TOLERANCES[dtype])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
+@pytest.mark.parametrize("arch", [80, 86, 89, 90])
+def test_fp8_kernels_compile_for_every_supported_gpu(arch):
+    """The fp8 paths the launchers choose for sm_80 (A100), sm_86 (RTX 30xx, A6000), sm_89 (Ada) and sm_90."""
+    from dsv3lite.testing import compile_for_gpu
+
+    pytest.importorskip("triton.backends.nvidia")
+    code = qm.fp8_code_for((arch // 10, arch % 10))
+    wtype = "*fp8e4nv" if code == qm.FMT_FP8 else "*u8"
+    sig = {"x_ptr": "*bf16", "w_ptr": wtype, "s_ptr": "*fp32", "z_ptr": "*fp32", "out_ptr": "*fp32",
+           "M": "i32", "N": "i32", "K": "i32", "n_tiles": "i32", "tiles_per_split": "i32",
+           "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "stride_om": "i32"}
+    consts = dict(FMT=code, GROUP=128, BLOCK_M=1, BLOCK_N=32, BLOCK_K=64, USE_DOT=False, UPCAST=False,
+                  PRECISION="tf32")
+    compile_for_gpu("dsv3lite.kernels.quant_matmul", [("_quant_matmul_kernel", sig, consts)], arch)
