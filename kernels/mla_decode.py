@@ -4,6 +4,9 @@ Every head reads the same cached rows [latent c_t (kv_lora_rank) | k_pe_t (rope_
 rows, values their first kv_lora_rank columns. Queries are absorbed (q_nope @ W_UK ‖ q_pe), so each
 head's output is a mix of latents; the model applies W_UV and W_o afterwards (docs/dsv3-math.md §4, §7).
 Sq <= 4 new tokens per sequence (MTP verification) use the bottom-right causal mask.
+
+Sparse decode (DeepSeek-V3.2's DSA): with `indices` [B, Sq, K], query s attends only to the rows its index list
+names (the lightning indexer's top-k), still under the causal rule; -1 entries name no row.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ _MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 
 
-def _check_inputs(q, latent_cache, seqlens, kv_lora_rank):
+def _check_inputs(q, latent_cache, seqlens, kv_lora_rank, indices=None):
     assert q.dim() == 4, f"q must be [B, Sq, H, Dk], got shape {tuple(q.shape)}"
     assert latent_cache.dim() == 3, f"latent_cache must be [B, Tmax, Dk], got shape {tuple(latent_cache.shape)}"
     batch, sq, _, dk = q.shape
@@ -32,6 +35,11 @@ def _check_inputs(q, latent_cache, seqlens, kv_lora_rank):
     assert seqlens.dtype == torch.int32, f"seqlens must be int32, got {seqlens.dtype}"
     assert q.device == latent_cache.device == seqlens.device, (
         f"q, latent_cache and seqlens must share a device, got {q.device}, {latent_cache.device}, {seqlens.device}")
+    if indices is not None:
+        assert indices.dim() == 3 and indices.shape[:2] == (batch, sq) and indices.shape[2] >= 1, (
+            f"indices must be [{batch}, {sq}, K], got shape {tuple(indices.shape)}")
+        assert indices.dtype == torch.int32, f"indices must be int32, got {indices.dtype}"
+        assert indices.device == q.device, f"indices must be on {q.device}, got {indices.device}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -41,6 +49,8 @@ def _check_inputs(q, latent_cache, seqlens, kv_lora_rank):
 # [Sq*H, Dk], so all queries of a sequence share each K tile. Stage 1 grid: (B, row blocks of
 # BLOCK_H, KV splits); each program runs an online softmax over its split in BLOCK_N tiles and
 # writes a normalised partial output and its lse. Stage 2 merges the splits by their lse.
+# SPARSE: each program serves one query s (grid axis 1 = Sq x head blocks) and walks that query's index
+# list instead of the sequence; splits then divide the index list.
 # ----------------------------------------------------------------------------------------------
 
 @_jit
@@ -51,14 +61,16 @@ def _split_len(seqlen, num_splits, BLOCK_N: tl.constexpr):
 
 @_jit
 def _mla_decode_split_kernel(
-    q_ptr, cache_ptr, seqlens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, cache_ptr, seqlens_ptr, indices_ptr, part_out_ptr, part_lse_ptr,
     scale_log2,                      # softmax_scale * log2(e): the kernel works in base 2
-    num_rows, num_heads, num_queries, kv_lora_rank, rope_dim,
+    num_rows, num_heads, num_queries, kv_lora_rank, rope_dim, index_count,
     stride_qb, stride_qr,            # q as [B, Sq*H, Dk]
     stride_cb, stride_ct,            # latent_cache [B, Tmax, Dk]
+    stride_ib, stride_is,            # indices [B, Sq, index_count] (SPARSE only)
     stride_ob, stride_or, stride_os,  # partial out [B, Sq*H, splits, kv_lora_rank]
     stride_lb, stride_lr, stride_ls,  # partial lse [B, Sq*H, splits]
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DPE: tl.constexpr,
+    SPARSE: tl.constexpr,            # keys are the rows each query's index list names
     UPCAST: tl.constexpr,            # fp32 dot operands (interpreter: its bf16 dot is wrong)
     DOT_PRECISION: tl.constexpr,     # "ieee" for fp32 operands, so fp32 models get no tf32 rounding
 ):
@@ -68,14 +80,26 @@ def _mla_decode_split_kernel(
     num_splits = tl.num_programs(2)
     seqlen = tl.load(seqlens_ptr + b)
 
-    rows = row_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < num_rows
-    # query s sits at position seqlen - Sq + s and sees keys t <= that position; padded rows see none
-    last_key = tl.where(row_ok, seqlen - num_queries + rows // num_heads, -1)
-
-    split_len = _split_len(seqlen, num_splits, BLOCK_N)
-    start = split * split_len
-    stop = tl.minimum(start + split_len, tl.max(last_key, 0) + 1)   # last_key < seqlen
+    if SPARSE:   # one query per program: row block = (query, block of heads)
+        head_blocks = tl.cdiv(num_heads, BLOCK_H)
+        query = row_block // head_blocks
+        heads = (row_block % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        row_ok = heads < num_heads
+        rows = query * num_heads + heads
+        query_key = seqlen - num_queries + query          # the query's position: it sees keys t <= it
+        last_key = tl.where(row_ok, query_key, -1)
+        split_len = _split_len(index_count, num_splits, BLOCK_N)
+        start = split * split_len
+        stop = tl.minimum(start + split_len, index_count)
+        index_row = indices_ptr + b * stride_ib + query * stride_is
+    else:
+        rows = row_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        row_ok = rows < num_rows
+        # query s sits at position seqlen - Sq + s and sees keys t <= that position; padded rows see none
+        last_key = tl.where(row_ok, seqlen - num_queries + rows // num_heads, -1)
+        split_len = _split_len(seqlen, num_splits, BLOCK_N)
+        start = split * split_len
+        stop = tl.minimum(start + split_len, tl.max(last_key, 0) + 1)   # last_key < seqlen
 
     offs_dl = tl.arange(0, BLOCK_DL)
     offs_dpe = tl.arange(0, BLOCK_DPE)
@@ -96,7 +120,13 @@ def _mla_decode_split_kernel(
     for n0 in range(start, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
-        k_rows = cache_seq + offs_n[:, None] * stride_ct
+        if SPARSE:   # the keys are the rows named by index-list entries n0..n0+BLOCK_N
+            key_pos = tl.load(index_row + offs_n, mask=n_ok, other=-1)
+            n_ok = n_ok & (key_pos >= 0) & (key_pos <= query_key)
+            key_pos = tl.where(n_ok, key_pos, 0)
+        else:
+            key_pos = offs_n
+        k_rows = cache_seq + key_pos[:, None].to(tl.int64) * stride_ct
         # masked rows load as 0 so that garbage past seqlen never reaches the value dot
         k_lat = tl.load(k_rows + offs_dl[None, :], mask=n_ok[:, None] & dl_ok[None, :], other=0.0)
         k_pe = tl.load(k_rows + kv_lora_rank + offs_dpe[None, :], mask=n_ok[:, None] & dpe_ok[None, :], other=0.0)
@@ -107,7 +137,7 @@ def _mla_decode_split_kernel(
         scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
         scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         scores *= scale_log2
-        visible = n_ok[None, :] & (offs_n[None, :] <= last_key[:, None])
+        visible = n_ok[None, :] & (key_pos[None, :] <= last_key[:, None])
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -131,19 +161,23 @@ def _mla_decode_split_kernel(
 @_jit
 def _mla_decode_merge_kernel(
     part_out_ptr, part_lse_ptr, seqlens_ptr, out_ptr, lse_ptr,
-    num_rows, num_splits, kv_lora_rank,
+    num_rows, num_splits, kv_lora_rank, index_count,
     stride_pob, stride_por, stride_pos,  # partial out [B, Sq*H, splits, kv_lora_rank]
     stride_plb, stride_plr, stride_pls,  # partial lse [B, Sq*H, splits]
     stride_ob, stride_or,                # out as [B, Sq*H, kv_lora_rank]
     stride_lb, stride_lr,                # lse as [B, Sq*H]
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPARSE: tl.constexpr,                # splits divide the index lists (index_count entries), not the sequence
 ):
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = rows < num_rows
-    seqlen = tl.load(seqlens_ptr + b)
-    split_len = _split_len(seqlen, num_splits, BLOCK_N)
-    used = tl.minimum(tl.cdiv(seqlen, split_len), num_splits)
+    if SPARSE:
+        keys = index_count
+    else:
+        keys = tl.load(seqlens_ptr + b)
+    split_len = _split_len(keys, num_splits, BLOCK_N)
+    used = tl.minimum(tl.cdiv(keys, split_len), num_splits)
 
     lse_rows = part_lse_ptr + b * stride_plb + rows * stride_plr
     offs_s = tl.arange(0, BLOCK_S)
@@ -185,33 +219,45 @@ def _auto_num_splits(batch: int, row_blocks: int, context: int, device: torch.de
 
 
 def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tensor, softmax_scale: float,
-               kv_lora_rank: int, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_lora_rank: int, num_splits: int | None = None,
+               indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA decode with the split-KV Triton kernel.
 
     q: [B, Sq, H, kv_lora_rank + rope_dim], 1 <= Sq <= 4, contiguous (absorbed q_nope ‖ RoPE'd q_pe).
-    latent_cache: [B, Tmax, kv_lora_rank + rope_dim], rows contiguous; rows past seqlens[b] are never read.
-        Tmax also bounds the automatic split count, so pass latent_cache[:, :max_len] when it is known.
+    latent_cache: [B, Tmax, kv_lora_rank + rope_dim], each row contiguous; rows past seqlens[b] are never read.
+        Rows may sit further apart than their width (a view of a wider cache, e.g. one that also holds the
+        indexer's keys). Tmax also bounds the automatic split count, so pass latent_cache[:, :max_len] when known.
     seqlens: int32 [B], valid rows per sequence including the Sq new ones (the last Sq rows), in
         Sq..Tmax (0 marks a free batch slot: out 0, lse -inf). Not checked: that would sync the device.
     softmax_scale: the model's scale (192-based times mscale² for V3), applied to the 576-wide dot.
-    num_splits: KV splits per sequence; None picks them from batch, heads, context and SM count.
+    num_splits: KV splits per sequence (of each index list when sparse); None picks them from batch, heads,
+        context and SM count.
+    indices: None (dense), or int32 [B, Sq, K] (sparse decode): the rows query s attends to, without repeats;
+        entries that are -1, or past the query's own position, are skipped.
     Returns out [B, Sq, H, kv_lora_rank] in q.dtype and lse [B, Sq, H] float32 (natural log).
     """
     assert triton is not None, "mla_decode needs Triton; use mla_decode_ref (or mla_decode_auto)"
-    _check_inputs(q, latent_cache, seqlens, kv_lora_rank)
+    _check_inputs(q, latent_cache, seqlens, kv_lora_rank, indices)
     assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"unsupported dtype {q.dtype}"
     assert latent_cache.dtype == q.dtype, f"latent_cache dtype {latent_cache.dtype} != q dtype {q.dtype}"
     assert q.is_contiguous(), "q must be contiguous"
     batch, sq, heads, dk = q.shape
-    assert latent_cache.stride(2) == 1 and latent_cache.stride(1) == dk, (
-        f"latent_cache rows must be contiguous within a sequence, got strides {latent_cache.stride()}")
+    assert latent_cache.stride(2) == 1 and latent_cache.stride(1) >= dk, (
+        f"latent_cache rows must each be contiguous, got strides {latent_cache.stride()}")
     rope_dim = dk - kv_lora_rank
     rows = sq * heads
+    sparse = indices is not None
+    if sparse:
+        assert indices.stride(2) == 1, "indices must be contiguous along K"
+    index_count = indices.shape[2] if sparse else 0
 
     block_h, block_n, block_dl, block_dpe = _block_sizes(kv_lora_rank, rope_dim)
     row_blocks = triton.cdiv(rows, block_h)
+    # sparse: one query per program, so each query's heads get their own row blocks
+    split_blocks = sq * triton.cdiv(heads, block_h) if sparse else row_blocks
     if num_splits is None:
-        num_splits = _auto_num_splits(batch, row_blocks, latent_cache.shape[1], q.device)
+        num_splits = _auto_num_splits(batch, split_blocks, index_count if sparse else latent_cache.shape[1],
+                                      q.device)
     assert isinstance(num_splits, int) and 1 <= num_splits <= _MAX_SPLITS, (
         f"num_splits must be an int in 1..{_MAX_SPLITS}, got {num_splits!r}")
     upcast = dispatch.interpreted()
@@ -226,27 +272,29 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tenso
         part_out = torch.empty(batch, rows, num_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, rows, num_splits, dtype=torch.float32, device=q.device)
 
-    _mla_decode_split_kernel[(batch, row_blocks, num_splits)](
-        q, latent_cache, seqlens, part_out, part_lse,
+    index_arg = indices if sparse else seqlens            # a placeholder pointer when dense (never read)
+    _mla_decode_split_kernel[(batch, split_blocks, num_splits)](
+        q, latent_cache, seqlens, index_arg, part_out, part_lse,
         softmax_scale * _LOG2E,
-        rows, heads, sq, kv_lora_rank, rope_dim,
+        rows, heads, sq, kv_lora_rank, rope_dim, index_count,
         q.stride(0), dk,
         latent_cache.stride(0), latent_cache.stride(1),
+        indices.stride(0) if sparse else 0, indices.stride(1) if sparse else 0,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DL=block_dl, BLOCK_DPE=block_dpe,
-        UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=2,
+        SPARSE=sparse, UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=2,
     )
     if num_splits > 1:
         _mla_decode_merge_kernel[(batch, row_blocks)](
             part_out, part_lse, seqlens, out, lse,
-            rows, num_splits, kv_lora_rank,
+            rows, num_splits, kv_lora_rank, index_count,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             out.stride(0), kv_lora_rank,
             lse.stride(0), 1,
             BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DL=block_dl, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=num_warps,
+            SPARSE=sparse, num_warps=num_warps,
         )
     return out, lse
 
@@ -256,42 +304,57 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tenso
 # ----------------------------------------------------------------------------------------------
 
 def mla_decode_ref(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tensor, softmax_scale: float,
-                   kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   kv_lora_rank: int, indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of `mla_decode`: same arguments and outputs, plain PyTorch in fp32.
 
     Reads seqlens on the host once (a device sync on CUDA) and only the valid rows of each sequence.
     """
-    _check_inputs(q, latent_cache, seqlens, kv_lora_rank)
+    _check_inputs(q, latent_cache, seqlens, kv_lora_rank, indices)
     batch, sq, heads, _ = q.shape
     out = torch.empty(batch, sq, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, sq, heads, dtype=torch.float32, device=q.device)
     steps = torch.arange(sq, device=q.device)
     for b, length in enumerate(seqlens.tolist()):
-        keys = latent_cache[b, :length].float()                     # [T, Dk]; values = keys[:, :kv_lora_rank]
-        scores = torch.matmul(q[b].float(), keys.T) * softmax_scale  # [Sq, H, T]
-        if sq > 1:   # query s sits at position length - Sq + s and sees keys t <= it
-            hidden = torch.arange(length, device=q.device) > (length - sq + steps)[:, None]   # [Sq, T]
+        positions = length - sq + steps                               # [Sq]: query s sees keys t <= positions[s]
+        if indices is None:
+            keys = latent_cache[b, :length].float()                     # [T, Dk]; values = keys[:, :kv_lora_rank]
+            scores = torch.matmul(q[b].float(), keys.T) * softmax_scale  # [Sq, H, T]
+            values = keys[:, :kv_lora_rank]
+            if sq > 1:
+                hidden = torch.arange(length, device=q.device) > positions[:, None]       # [Sq, T]
+                scores.masked_fill_(hidden[:, None, :], float("-inf"))
+        else:
+            idx = indices[b].long()                                      # [Sq, K]
+            hidden = (idx < 0) | (idx > positions[:, None])
+            keys = latent_cache[b][idx.clamp(0, max(length - 1, 0))].float()   # [Sq, K, Dk]
+            scores = torch.matmul(q[b].float(), keys.transpose(1, 2)) * softmax_scale   # [Sq, H, K]
             scores.masked_fill_(hidden[:, None, :], float("-inf"))
+            values = keys[..., :kv_lora_rank].masked_fill(hidden[..., None], 0.0)   # no NaN from a skipped row
         lse_b = torch.logsumexp(scores, dim=-1)                      # [Sq, H]
         probs = torch.exp(scores - lse_b.masked_fill(lse_b == float("-inf"), 0.0)[..., None])
-        out[b] = torch.matmul(probs, keys[:, :kv_lora_rank]).to(q.dtype)
+        out[b] = torch.matmul(probs, values).to(q.dtype)
         lse[b] = lse_b
     return out, lse
 
 
 def mla_decode_auto(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tensor, softmax_scale: float,
-                    kv_lora_rank: int, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    kv_lora_rank: int, num_splits: int | None = None,
+                    indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`mla_decode` where kernels run (see dispatch.use_kernels), else `mla_decode_ref` (num_splits unused)."""
     if dispatch.use_kernels(q.device):
-        return mla_decode(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, num_splits)
-    return mla_decode_ref(q, latent_cache, seqlens, softmax_scale, kv_lora_rank)
+        return mla_decode(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, num_splits, indices)
+    return mla_decode_ref(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, indices)
 
 
-def latent_attention(q: torch.Tensor, keys: torch.Tensor, softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+def latent_attention(q: torch.Tensor, keys: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
+                     indices: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's absorbed attention in a few operators (the CPU decode path; `mla_decode_ref` computes the
     same plus the log-sum-exp): q [Sq, H, Dk] over keys [T, Dk] whose first kv_lora_rank values are also the
-    values; the Sq queries are the last Sq positions (bottom-right causal). -> [Sq, H, kv_lora_rank] in q.dtype."""
+    values; the Sq queries are the last Sq positions (bottom-right causal). indices [Sq, K] (sparse): the rows
+    each query attends to, as in `mla_decode`. -> [Sq, H, kv_lora_rank] in q.dtype."""
     sq, total = q.shape[0], keys.shape[0]
+    if indices is not None:
+        return _sparse_latent_attention(q, keys, softmax_scale, kv_lora_rank, indices)
     keys = keys if keys.dtype == torch.float32 else keys.float()
     scores = torch.matmul(q if q.dtype == torch.float32 else q.float(), keys.T) * softmax_scale     # [Sq, H, T]
     if sq > 1:
@@ -301,11 +364,27 @@ def latent_attention(q: torch.Tensor, keys: torch.Tensor, softmax_scale: float, 
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def mla_attend(q: torch.Tensor, latent_cache: torch.Tensor, softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+def _sparse_latent_attention(q, keys, softmax_scale, kv_lora_rank, indices):
+    sq, total = q.shape[0], keys.shape[0]
+    idx = indices.long()
+    positions = torch.arange(total - sq, total, device=q.device)[:, None]           # [Sq, 1]
+    hidden = (idx < 0) | (idx > positions)                                          # [Sq, K]
+    picked = keys[idx.clamp(0, total - 1)]                                          # [Sq, K, Dk]
+    picked = picked if picked.dtype == torch.float32 else picked.float()
+    scores = torch.matmul(q if q.dtype == torch.float32 else q.float(), picked.transpose(1, 2)) * softmax_scale
+    scores.masked_fill_(hidden[:, None, :], float("-inf"))                          # [Sq, H, K]
+    out = torch.matmul(scores.softmax(-1), picked[..., :kv_lora_rank])
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def mla_attend(q: torch.Tensor, latent_cache: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
+               indices: torch.Tensor | None = None) -> torch.Tensor:
     """The model's absorbed attention: q [B, Sq, H, Dk] over every row of latent_cache [B, T, Dk] (the last Sq
-    rows are the queries' own) -> out [B, Sq, H, kv_lora_rank]. The kernel where kernels run; one sequence on
-    the CPU takes `latent_attention`; otherwise the twin (e.g. DSV3LITE_KERNELS=ref on a GPU)."""
+    rows are the queries' own), or with indices [B, Sq, K] int32 only over the rows each query's list names
+    -> out [B, Sq, H, kv_lora_rank]. The kernel where kernels run; one sequence on the CPU takes
+    `latent_attention`; otherwise the twin (e.g. DSV3LITE_KERNELS=ref on a GPU)."""
     if q.shape[0] == 1 and q.device.type == "cpu" and not dispatch.use_kernels(q.device):
-        return latent_attention(q[0], latent_cache[0], softmax_scale, kv_lora_rank)[None]
+        return latent_attention(q[0], latent_cache[0], softmax_scale, kv_lora_rank,
+                                None if indices is None else indices[0])[None]
     seqlens = torch.full((q.shape[0],), latent_cache.shape[1], dtype=torch.int32, device=latent_cache.device)
-    return mla_decode_auto(q, latent_cache, seqlens, softmax_scale, kv_lora_rank)[0]
+    return mla_decode_auto(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, indices=indices)[0]

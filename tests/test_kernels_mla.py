@@ -190,6 +190,171 @@ def test_rejects_bad_inputs():
         mla.mla_decode(q, cache, lens, SCALE, 40)
 
 
+# --- sparse decode (per-query index lists, DeepSeek-V3.2) --------------------------------------
+
+def make_indices(seqlens, sq, count, seed=1, holes=True):
+    """int32 [B, Sq, count]: distinct rows of each sequence per query, in random order; for Sq > 1 they include
+    rows past earlier queries' positions (which must be skipped), and with `holes` some -1 entries."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.full((len(seqlens), sq, count), -1, dtype=torch.int32)
+    for b, length in enumerate(seqlens):
+        for s in range(sq):
+            picked = torch.randperm(length, generator=gen)[:count]
+            out[b, s, :len(picked)] = picked.to(torch.int32)
+            if holes and count > 2:
+                out[b, s, torch.randint(0, count, (2,), generator=gen)] = -1
+    return out.to(DEVICE)
+
+
+def naive_sparse_attention(q, cache, seqlens, scale, kv_lora_rank, indices):
+    """naive_attention's math with each query's keys restricted to its index list (float64, a full mask)."""
+    batch, sq, _, _ = q.shape
+    q64, cache64 = q.double().cpu(), cache.double().cpu()
+    out = torch.zeros(batch, sq, q.shape[2], kv_lora_rank, dtype=torch.float64)
+    lse = torch.full((batch, sq, q.shape[2]), float("-inf"), dtype=torch.float64)
+    for b in range(batch):
+        length = int(seqlens[b])
+        for s in range(sq):
+            rows = [int(i) for i in indices[b, s].tolist() if 0 <= int(i) <= length - sq + s]
+            if not rows:
+                continue
+            keys = cache64[b, rows]                                  # [n, Dk]
+            scores = q64[b, s] @ keys.T * scale                      # [H, n]
+            peak = scores.max(dim=-1, keepdim=True).values
+            weights = torch.exp(scores - peak)
+            total = weights.sum(dim=-1, keepdim=True)
+            out[b, s] = (weights / total) @ keys[:, :kv_lora_rank]
+            lse[b, s] = (peak + torch.log(total)).squeeze(-1)
+    return out, lse
+
+
+def check_sparse_kernel(seqlens, count, sq=1, heads=4, kv_lora_rank=32, rope_dim=8, dtype=torch.float32,
+                        num_splits=None):
+    q, cache, lens = make_inputs(seqlens, sq, heads, kv_lora_rank, rope_dim, dtype)
+    idx = make_indices(seqlens, sq, count)
+    out, lse = mla.mla_decode(q, cache, lens, SCALE, kv_lora_rank, num_splits=num_splits, indices=idx)
+    ref_out, ref_lse = mla.mla_decode_ref(q, cache, lens, SCALE, kv_lora_rank, indices=idx)
+    assert out.shape == (len(seqlens), sq, heads, kv_lora_rank) and out.dtype == dtype
+    tol = TOLERANCES[dtype]
+    assert_close("out", out, ref_out, atol=tol, rtol=tol)
+    assert_close("lse", lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sq", [1, 3])
+def test_sparse_ref_matches_naive_attention(sq):
+    q, cache, lens = make_inputs([40, 23], sq, 4, 32, 8)
+    idx = make_indices([40, 23], sq, 12)
+    out, lse = mla.mla_decode_ref(q, cache, lens, SCALE, 32, indices=idx)
+    want_out, want_lse = naive_sparse_attention(q, cache, lens, SCALE, 32, idx)
+    assert_close("out", out.cpu(), want_out, atol=1e-5)
+    assert_close("lse", lse.cpu(), want_lse, atol=1e-5)
+
+
+def test_sparse_with_every_row_listed_is_dense():
+    q, cache, lens = make_inputs([30, 17], 2, 4, 32, 8)
+    idx = torch.full((2, 2, 30), -1, dtype=torch.int32)
+    for b, length in enumerate([30, 17]):
+        idx[b, :, :length] = torch.randperm(length, generator=torch.Generator().manual_seed(b)).to(torch.int32)
+    idx = idx.to(DEVICE)
+    dense = mla.mla_decode_ref(q, cache, lens, SCALE, 32)
+    for out, lse in (mla.mla_decode_ref(q, cache, lens, SCALE, 32, indices=idx),
+                     mla.mla_decode(q, cache, lens, SCALE, 32, num_splits=2, indices=idx)):
+        assert_close("out", out, dense[0], atol=1e-5)
+        assert_close("lse", lse, dense[1], atol=1e-5)
+
+
+def test_latent_attention_sparse_matches_ref():
+    # the model's CPU path: one sequence, indices the indexer's top-k (rows of the sequence, later ones masked)
+    q, cache, lens = make_inputs([50], 3, 4, 32, 8, poison=False)
+    idx = make_indices([50], 3, 16, holes=False)
+    got = mla.latent_attention(q[0], cache[0, :50], SCALE, 32, idx[0])
+    want, _ = mla.mla_decode_ref(q, cache, lens, SCALE, 32, indices=idx)
+    assert_close("out", got, want[0], atol=1e-5)
+    assert_close("mla_attend", mla.mla_attend(q, cache[:, :50], SCALE, 32, idx), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("count,num_splits", [(1, None), (12, None), (40, 3), (100, 2)])
+def test_sparse_kernel_index_counts(count, num_splits):
+    check_sparse_kernel([130], count, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("sq", [1, 2, 4])
+def test_sparse_kernel_causal_multi_query(sq):
+    # query s skips listed rows past its own position; a short sequence lists fewer rows (-1 padding)
+    check_sparse_kernel([sq + 5, 70], 24, sq=sq, kv_lora_rank=48, rope_dim=16, num_splits=2)
+
+
+@pytest.mark.parametrize("heads", [4, 16, 20])
+def test_sparse_kernel_head_counts(heads):
+    # 20 heads: the last head block of each query is partial
+    check_sparse_kernel([45, 33], 16, sq=2, heads=heads, num_splits=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sparse_kernel_dtypes(dtype):
+    check_sparse_kernel([37, 60], 20, sq=2, kv_lora_rank=48, rope_dim=16, dtype=dtype, num_splits=3)
+
+
+def test_sparse_kernel_reads_rows_of_a_wider_cache():
+    # the model's cache rows hold [latent | indexer key]: attention reads a strided view of the first Dk columns
+    q, cache, lens = make_inputs([64], 2, 4, 32, 8, poison=False)
+    wide = torch.cat([cache, torch.full_like(cache[..., :16], float("nan"))], dim=-1)
+    view = wide[..., :40]
+    idx = make_indices([64], 2, 20)
+    want = mla.mla_decode_ref(q, cache, lens, SCALE, 32, indices=idx)
+    for indices in (idx, None):
+        got = mla.mla_decode(q, view, lens, SCALE, 32, num_splits=2, indices=indices)
+        ref = want if indices is not None else mla.mla_decode_ref(q, cache, lens, SCALE, 32)
+        assert_close("out", got[0], ref[0], atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_empty_sequence_gives_zeros_not_nan():
+    q, cache, lens = make_inputs([0, 20], heads=4)
+    idx = make_indices([0, 20], 1, 8)
+    for out, lse in (mla.mla_decode(q, cache, lens, SCALE, 32, num_splits=2, indices=idx),
+                     mla.mla_decode_ref(q, cache, lens, SCALE, 32, indices=idx)):
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert torch.isneginf(lse[0]).all()
+        assert torch.isfinite(out[1]).all()
+
+
+def test_sparse_rejects_bad_indices():
+    q, cache, lens = make_inputs([9], sq=2)
+    idx = make_indices([9], 2, 4)
+    with pytest.raises(AssertionError, match="int32"):
+        mla.mla_decode(q, cache, lens, SCALE, 32, indices=idx.long())
+    with pytest.raises(AssertionError, match="indices must be"):
+        mla.mla_decode(q, cache, lens, SCALE, 32, indices=idx[:, :1])
+
+
+# --- the kernels compile for the H200's architecture ---------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
+def test_mla_decode_compiles_for_sm90():
+    from dsv3lite.testing import compile_for_sm90
+
+    pytest.importorskip("triton.backends.nvidia")
+    ints = ("num_rows", "num_heads", "num_queries", "kv_lora_rank", "rope_dim", "index_count", "stride_qb",
+            "stride_qr", "stride_cb", "stride_ct", "stride_ib", "stride_is", "stride_ob", "stride_or", "stride_os",
+            "stride_lb", "stride_lr", "stride_ls")
+    cases = []
+    for dtype in ("bf16", "fp32"):
+        for sparse in (False, True):
+            split = dict({k: "i32" for k in ints}, q_ptr="*" + dtype, cache_ptr="*" + dtype, seqlens_ptr="*i32",
+                         indices_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2="fp32")
+            consts = dict(BLOCK_H=16, BLOCK_N=32, BLOCK_DL=512, BLOCK_DPE=64, SPARSE=sparse, UPCAST=False,
+                          DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+            cases.append(("_mla_decode_split_kernel", split, consts))
+            merge = {k: "i32" for k in ("num_rows", "num_splits", "kv_lora_rank", "index_count", "stride_pob",
+                                        "stride_por", "stride_pos", "stride_plb", "stride_plr", "stride_pls",
+                                        "stride_ob", "stride_or", "stride_lb", "stride_lr")}
+            merge.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", seqlens_ptr="*i32", out_ptr="*" + dtype,
+                         lse_ptr="*fp32")
+            cases.append(("_mla_decode_merge_kernel", merge,
+                          dict(BLOCK_H=16, BLOCK_N=32, BLOCK_DL=512, BLOCK_S=8, SPARSE=sparse)))
+    compile_for_sm90("dsv3lite.kernels.mla_decode", cases)
+
+
 # --- dispatch ---------------------------------------------------------------------------------
 
 def test_dispatch_rules(monkeypatch):
