@@ -1,8 +1,9 @@
 """ModelArgs: the one description of a DeepSeek-V3-family network, read from a checkpoint's config.json.
 
-Covers model_type deepseek_v3 (V3/R1/V3.1, Moonlight), kimi_k2 and deepseek_v2 (V2, V2.5, V2-Lite).
-Derived values (softmax scale, latent width, which layers are MoE, the MTP layer index) live in
-__post_init__ so nothing else recomputes them.
+Covers model_type deepseek_v3 (V3/R1/V3.1, Moonlight), deepseek_v32 (V3.2: V3 plus the lightning indexer of
+DeepSeek Sparse Attention), kimi_k2, kimi_k25 (Kimi-K2.5: its text_config, a Kimi-K2 / V3 network; the vision
+tower is not run) and deepseek_v2 (V2, V2.5, V2-Lite). Derived values (softmax scale, latent and cache widths,
+which layers are MoE, the MTP layer index) live in __post_init__ so nothing else recomputes them.
 """
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ from pathlib import Path
 
 from .errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "deepseek_v2")
+# multimodal checkpoints whose language model is a text_config of one of the types above
+_TEXT_CONFIG_TYPES = {"kimi_k25": ("kimi_k2", "deepseek_v3")}
 
 # Per-family defaults for fields a config.json may leave out (the values transformers' config classes use).
 _FAMILY_DEFAULTS = {
     "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True},
+    "deepseek_v32": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+                     "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128},
     "kimi_k2": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True},
+    "kimi_k25": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True},
     "deepseek_v2": {"scoring_func": "softmax", "topk_method": "greedy", "norm_topk_prob": False},
 }
 
@@ -43,6 +49,7 @@ class ModelArgs:
     intermediate_size: int = 18432
     first_k_dense_replace: int = 3
     moe_layer_freq: int = 1
+    mlp_layer_types: list[str] | None = None   # "dense" | "sparse" per main layer (transformers' V3.2); wins when given
     # mla
     num_attention_heads: int = 128
     q_lora_rank: int | None = 1536          # None: a single q_proj (V2-Lite, Moonlight)
@@ -50,6 +57,10 @@ class ModelArgs:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    # dsa: the lightning indexer of V3.2 (index_topk 0: no indexer, dense attention everywhere)
+    index_topk: int = 0                     # each query attends to the top index_topk earlier tokens
+    index_n_heads: int = 64
+    index_head_dim: int = 128               # its first qk_rope_head_dim dims carry (NeoX-style) RoPE
     # moe
     moe_intermediate_size: int = 2048
     n_routed_experts: int = 256
@@ -80,6 +91,8 @@ class ModelArgs:
     # derived in __post_init__
     qk_head_dim: int = field(init=False)
     latent_dim: int = field(init=False)
+    index_dim: int = field(init=False)      # indexer key values cached per token and layer (0 without an indexer)
+    cache_dim: int = field(init=False)      # cached values per token and layer: [latent | indexer key]
     softmax_scale: float = field(init=False)
     cos_sin_scale: float = field(init=False)
     mtp_layer_id: int = field(init=False)
@@ -93,8 +106,24 @@ class ModelArgs:
             raise UserError(f"config: unsupported scoring_func {self.scoring_func!r} (sigmoid or softmax)")
         if self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
             raise UserError(f"config: unsupported topk_method {self.topk_method!r}")
+        if self.model_type != "deepseek_v32":
+            self.index_topk = 0
+        elif self.index_topk < 1:
+            raise UserError(f"config: index_topk must be at least 1, got {self.index_topk}")
+        if self.index_topk:
+            if not self.q_lora_rank:
+                raise UserError("config: deepseek_v32 needs q_lora_rank (its indexer reads the query latent)")
+            if not self.qk_rope_head_dim <= self.index_head_dim:
+                raise UserError(f"config: index_head_dim {self.index_head_dim} is smaller than qk_rope_head_dim "
+                                f"{self.qk_rope_head_dim}")
+        if self.mlp_layer_types is not None and (len(self.mlp_layer_types) != self.num_hidden_layers or
+                                                 not set(self.mlp_layer_types) <= {"dense", "sparse"}):
+            raise UserError(f"config: mlp_layer_types must list 'dense' or 'sparse' for each of the "
+                            f"{self.num_hidden_layers} layers")
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.latent_dim = self.kv_lora_rank + self.qk_rope_head_dim
+        self.index_dim = self.index_head_dim if self.index_topk else 0
+        self.cache_dim = self.latent_dim + self.index_dim
         scale = self.qk_head_dim ** -0.5
         cos_sin = 1.0
         if self.rope_type == "yarn":
@@ -115,6 +144,8 @@ class ModelArgs:
         """MTP layers (id >= num_hidden_layers) are always MoE; main layers follow first_k_dense_replace/freq."""
         if layer_id >= self.num_hidden_layers:
             return True
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[layer_id] == "sparse"
         return layer_id >= self.first_k_dense_replace and layer_id % max(self.moe_layer_freq, 1) == 0
 
     @property
@@ -127,9 +158,14 @@ class ModelArgs:
         return self.topk_method == "noaux_tc"
 
     @property
+    def has_indexer(self) -> bool:
+        """V3.2: every layer has a lightning indexer (sparse attention beyond index_topk tokens)."""
+        return self.index_topk > 0
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """Latent cache bytes per token for all main layers at 2 bytes/value."""
-        return self.latent_dim * 2 * self.num_hidden_layers
+        """Cache bytes per token for all main layers at 2 bytes/value: the latent, plus the indexer's key on V3.2."""
+        return self.cache_dim * 2 * self.num_hidden_layers
 
     def stop_ids(self) -> set[int]:
         ids = self.eos_token_id
@@ -141,6 +177,8 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelArgs":
         model_type = cfg.get("model_type")
+        if model_type in _TEXT_CONFIG_TYPES:
+            cfg = _text_config(cfg, model_type)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(f"unsupported model_type {model_type!r}: dsv3lite runs {', '.join(SUPPORTED_MODEL_TYPES)}")
         known = {f.name for f in fields(cls) if f.init}
@@ -187,6 +225,24 @@ class ModelArgs:
         if not isinstance(cfg, dict):
             raise UserError(f"{file} does not hold a JSON object")
         return cls.from_dict(cfg)
+
+
+def _text_config(cfg: dict, model_type: str) -> dict:
+    """The language model's config of a multimodal checkpoint (Kimi-K2.5: `text_config`, a Kimi-K2 config), with
+    the top level's token ids, tying and quantization where the text config leaves them out."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise UserError(f"config: a {model_type} config.json needs a text_config object (the language model)")
+    inner = text.get("model_type", _TEXT_CONFIG_TYPES[model_type][0])
+    if inner not in _TEXT_CONFIG_TYPES[model_type]:
+        raise UserError(f"config: {model_type} text_config has model_type {inner!r}; dsv3lite runs "
+                        f"{' or '.join(_TEXT_CONFIG_TYPES[model_type])} there")
+    out = dict(text)
+    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings", "quantization_config", "dtype", "torch_dtype"):
+        if out.get(key) is None and cfg.get(key) is not None:
+            out[key] = cfg[key]
+    out["model_type"] = model_type
+    return out
 
 
 def _rope_fields(cfg: dict) -> dict:

@@ -10,10 +10,24 @@ from .config import ModelArgs
 
 
 def attention_params(a: ModelArgs) -> int:
+    """One layer's attention (V3.2: its indexer included) and its two norms."""
     h, d = a.num_attention_heads, a.hidden_size
     q = (d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * h * a.qk_head_dim) if a.q_lora_rank else d * h * a.qk_head_dim
     kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank + a.kv_lora_rank * h * (a.qk_nope_head_dim + a.v_head_dim)
-    return q + kv + h * a.v_head_dim * d + 2 * d          # + attn_norm and ffn_norm
+    return q + kv + h * a.v_head_dim * d + 2 * d + indexer_params(a)          # + attn_norm and ffn_norm
+
+
+def indexer_params(a: ModelArgs) -> int:
+    """V3.2's lightning indexer of one layer: wq_b, wk, k_norm (weight and bias), weights_proj; 0 without one."""
+    if not a.has_indexer:
+        return 0
+    return a.q_lora_rank * a.index_n_heads * a.index_head_dim + a.hidden_size * a.index_head_dim \
+        + 2 * a.index_head_dim + indexer_fp32_params(a)
+
+
+def indexer_fp32_params(a: ModelArgs) -> int:
+    """The part of one layer's indexer kept in fp32 whatever the compute dtype (weights_proj, as transformers)."""
+    return a.hidden_size * a.index_n_heads if a.has_indexer else 0
 
 
 def expert_params(a: ModelArgs) -> int:

@@ -152,7 +152,7 @@ class Engine:
             raise UserError(f"ctx_size must be >= 1, got {ctx_size}")
         self.speculator = Speculator(model, device, mtp, num_draft_tokens, mtp_adaptive, log=self.log)
         self.lock = threading.Lock()
-        self.cache: torch.Tensor | None = None           # [n_blocks, 1, ctx, latent_dim]
+        self.cache: torch.Tensor | None = None           # [n_blocks, 1, ctx, cache_dim]: latent (| indexer key)
         self.cached_tokens: list[int] = []                # tokens whose latents are valid in self.cache
         self.last = RunStats()
         self.offload = offload                            # the offloading runtime, when experts are offloaded
@@ -244,7 +244,8 @@ class Engine:
     def _ensure_cache(self) -> torch.Tensor:
         n_blocks = len(self.model.blocks())
         if self.cache is None or self.cache.shape[0] != n_blocks:
-            self.cache = torch.zeros(n_blocks, 1, self.ctx_size, self.args.latent_dim, dtype=self.dtype,
+            # V3.2 keeps each layer's indexer keys next to its latents: cache_dim = latent_dim + index_head_dim
+            self.cache = torch.zeros(n_blocks, 1, self.ctx_size, self.args.cache_dim, dtype=self.dtype,
                                      device=self.device)
             self.reset()
         return self.cache

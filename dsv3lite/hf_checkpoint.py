@@ -32,6 +32,12 @@ LAYER_NAMES = {
     "self_attn.kv_a_layernorm.weight": "attn.kv_norm.weight",
     "self_attn.kv_b_proj.weight": "attn.wkv_b.weight",
     "self_attn.o_proj.weight": "attn.wo.weight",
+    # V3.2: the lightning indexer of each layer
+    "self_attn.indexer.wq_b.weight": "attn.indexer.wq_b.weight",
+    "self_attn.indexer.wk.weight": "attn.indexer.wk.weight",
+    "self_attn.indexer.k_norm.weight": "attn.indexer.k_norm.weight",
+    "self_attn.indexer.k_norm.bias": "attn.indexer.k_norm.bias",
+    "self_attn.indexer.weights_proj.weight": "attn.indexer.weights_proj.weight",
     "mlp.gate_proj.weight": "ffn.w1.weight",
     "mlp.up_proj.weight": "ffn.w3.weight",
     "mlp.down_proj.weight": "ffn.w2.weight",
@@ -59,8 +65,10 @@ TOP_NAMES = {
     "lm_head.weight": "head.weight",
 }
 # kept in fp32 whatever the compute dtype (as transformers does): module and checkpoint suffixes
-FP32_MODULE_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias")
-FP32_CHECKPOINT_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+FP32_MODULE_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias", "attn.indexer.weights_proj.weight")
+FP32_CHECKPOINT_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
+# multimodal checkpoints (Kimi-K2.5): the language model's tensors under this prefix, the other towers' are not run
+TEXT_MODEL_PREFIX = "language_model."
 
 _REVERSE = {table_id: {v: k for k, v in t.items()} for table_id, t in
             (("layer", LAYER_NAMES), ("expert", EXPERT_NAMES), ("mtp", MTP_NAMES), ("top", TOP_NAMES))}
@@ -146,9 +154,15 @@ def checkpoint_state_dict(model) -> dict[str, torch.Tensor]:
 
 @dataclass
 class CheckpointIndex:
-    """Which file holds each tensor of a safetensors checkpoint directory."""
+    """Which file holds each tensor of a safetensors checkpoint directory.
+
+    Names are the text model's: in a multimodal checkpoint (Kimi-K2.5) the TEXT_MODEL_PREFIX is dropped from the
+    language model's names, and the other towers' tensors (vision, projector) are left out and listed in `skipped`.
+    """
     root: Path
     files: dict[str, Path] = field(default_factory=dict)        # tensor name -> file
+    stored: dict[str, str] = field(default_factory=dict)       # tensor name -> its name in the file, where they differ
+    skipped: list[str] = field(default_factory=list)           # tensors of other towers, not indexed
 
     @classmethod
     def open(cls, root: Path) -> "CheckpointIndex":
@@ -165,14 +179,34 @@ class CheckpointIndex:
             for f in set(idx.files.values()):
                 if not f.exists():
                     raise UserError(f"{index_file.name} names {f.name}, which is missing from {root}")
-            return idx
-        shards = sorted(root.glob("*.safetensors"))
-        if not shards:
-            raise UserError(f"no *.safetensors files in {root}")
-        for f in shards:
-            for name in read_header(f):
-                idx.files[name] = f
+        else:
+            shards = sorted(root.glob("*.safetensors"))
+            if not shards:
+                raise UserError(f"no *.safetensors files in {root}")
+            for f in shards:
+                for name in read_header(f):
+                    idx.files[name] = f
+        idx._text_model_only()
         return idx
+
+    def _text_model_only(self) -> None:
+        if not any(n.startswith(TEXT_MODEL_PREFIX) for n in self.files):
+            return
+        files, self.files = self.files, {}
+        for name, f in files.items():
+            if name.startswith(TEXT_MODEL_PREFIX):
+                self.files[name[len(TEXT_MODEL_PREFIX):]] = f
+                self.stored[name[len(TEXT_MODEL_PREFIX):]] = name
+            else:
+                self.skipped.append(name)
+
+    def skipped_note(self) -> str | None:
+        """One line on the towers left out (None when nothing was)."""
+        if not self.skipped:
+            return None
+        towers = sorted({n.split(".", 1)[0] for n in self.skipped})
+        return (f"note: dsv3lite runs the language model only; the checkpoint's {', '.join(towers)} "
+                f"({len(self.skipped)} tensors) are not loaded, so images and video are not understood")
 
     def shards(self) -> list[Path]:
         return sorted(set(self.files.values()))
@@ -180,12 +214,14 @@ class CheckpointIndex:
     def headers(self) -> dict[str, dict]:
         """name -> {dtype, shape, data_offsets} for every tensor the index places in a shard, checked to be there."""
         meta: dict[str, dict] = {}
+        names = {self.stored.get(n, n): n for n in self.files}
         for shard in self.shards():
             header = read_header(shard)
-            meta.update({n: v for n, v in header.items() if self.files.get(n) == shard})
+            meta.update({names[n]: v for n, v in header.items() if n in names and self.files[names[n]] == shard})
         for name in self.files:
             if name not in meta:
-                raise UserError(f"the checkpoint index names {name}, but {self.files[name].name} does not hold it")
+                raise UserError(f"the checkpoint index names {self.stored.get(name, name)}, but "
+                                f"{self.files[name].name} does not hold it")
         return meta
 
 
@@ -245,9 +281,10 @@ class TensorReader:
             except OSError as e:
                 raise UserError(f"cannot read {shard}: {e.strerror}") from None
         fd, spans = self._shards[shard]
-        if name not in spans:
-            raise UserError(f"{shard.name} does not hold {name}, which the checkpoint index places there")
-        return fd, spans[name], shard
+        stored = self.index.stored.get(name, name)
+        if stored not in spans:
+            raise UserError(f"{shard.name} does not hold {stored}, which the checkpoint index places there")
+        return fd, spans[stored], shard
 
     def has(self, name: str) -> bool:
         return name in self.index.files

@@ -1,4 +1,5 @@
-"""Checkpoint loading: HF safetensors (bf16/fp16/fp32, DeepSeek FP8 block-scaled) into a `Transformer`.
+"""Checkpoint loading: HF safetensors (bf16/fp16/fp32, DeepSeek FP8 block-scaled) into a `Transformer`; a
+multimodal checkpoint (Kimi-K2.5) gives its language model.
 
 The model is built on the meta device and filled tensor by tensor, so nothing is allocated twice. Names,
 shards and tensor reads come from `hf_checkpoint` (the one table of checkpoint names lives there).
@@ -61,8 +62,9 @@ class Loader:
         args = args or ModelArgs.from_dir(self.root)
         index = CheckpointIndex.open(self.root)
         with_mtp, notice = mtp_status(index, args)
-        if notice:
-            self.log(notice)
+        for note in (notice, index.skipped_note()):
+            if note:
+                self.log(note)
         with torch.device("meta"):
             model = Transformer(args, with_mtp=with_mtp)
         self.external_experts = expert_provider is not None

@@ -1,4 +1,5 @@
-"""The DeepSeek-V3-family network: RMSNorm, YaRN RoPE, MLA (naive + absorbed), routers, MoE, MTP.
+"""The DeepSeek-V3-family network: RMSNorm, YaRN RoPE, MLA (naive + absorbed), V3.2's lightning indexer (sparse
+attention), routers, MoE, MTP.
 
 Numerics follow transformers' DeepseekV3/V2 (docs/dsv3-math.md, "Reference B"): RMSNorm statistics and
 the router in fp32, routed outputs summed in ascending expert id. Routed experts sit behind one seam,
@@ -98,8 +99,60 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 # --- attention ---------------------------------------------------------------------------------------
 
+INDEX_SCORE_ELEMENTS = 1 << 24   # indexer scores [queries, index heads, keys] (fp32) computed at once in a prefill
+
+
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer (DSA), as transformers' DeepseekV32Indexer defines it: for each query a
+    relu'd multi-head dot product with one cached key per token, weighted per head and summed, picks the
+    index_topk earlier tokens the query attends to. (DeepSeek's reference also rotates q and k by a Hadamard
+    matrix, which keeps their dot products, and scores in FP8; transformers, and so this, scores in fp32.)"""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)    # kept in fp32 (as transformers)
+        self.scale = self.head_dim ** -0.5
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first qk_rope_head_dim dims, NeoX halves (unlike MLA's interleaved pairs); the rest pass."""
+        r = self.args.qk_rope_head_dim
+        return torch.cat([apply_rope(x[..., :r], cos, sin, interleave=False), x[..., r:]], dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D] -> the keys cached for these tokens [B, S, head_dim]."""
+        return self._rope(self.k_norm(self.wk(x))[:, :, None], cos, sin)[:, :, 0]
+
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """The index_topk positions (int32 [B, S, topk]) each of the S queries keeps among keys [B, T, head_dim],
+        the S queries being the last S positions (later positions score -inf, so a query that sees fewer than
+        index_topk tokens keeps all of them and some it cannot see, which attention masks)."""
+        bsz, seqlen, _ = x.shape
+        total = keys.shape[1]
+        q = self._rope(self.wq_b(q_latent).view(bsz, seqlen, self.n_heads, self.head_dim), cos, sin).float()
+        weights = self.weights_proj(as_dtype(x, self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        k = keys.float().transpose(1, 2)[:, None]                                     # [B, 1, Dh, T]
+        block = max(1, INDEX_SCORE_ELEMENTS // (self.n_heads * total))
+        picked = []
+        for s0 in range(0, seqlen, block):
+            scores = F.relu(torch.matmul(q[:, s0:s0 + block], k) * self.scale)      # [B, s, H, T]
+            index_scores = torch.matmul(weights[:, s0:s0 + block, None], scores)[:, :, 0]   # [B, s, T]
+            if seqlen > 1:
+                visible = causal_mask(seqlen, total, x.device)[s0:s0 + block]
+                index_scores = index_scores.masked_fill(~visible, float("-inf"))
+            picked.append(index_scores.topk(self.args.index_topk, dim=-1).indices)
+        return (picked[0] if len(picked) == 1 else torch.cat(picked, dim=1)).to(torch.int32)
+
+
 class MLA(nn.Module):
-    """Multi-head latent attention. The cache holds, per token, [normalised latent c | RoPE'd k_pe]."""
+    """Multi-head latent attention. The cache holds, per token, [normalised latent c | RoPE'd k_pe], followed on
+    V3.2 by the indexer's key: there, a query whose context exceeds index_topk tokens attends only to the
+    index_topk tokens its indexer picks (dense attention up to that context)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -116,12 +169,18 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(args.kv_lora_rank, _LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(args.kv_lora_rank, h * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(h * args.v_head_dim, d, bias=False)
+        self.indexer = Indexer(args) if args.has_indexer else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, S, D] -> q_nope [B, S, H, dn], q_pe [B, S, H, dr] (RoPE'd), latent [B, S, kv_lora + dr]."""
+        """x [B, S, D] -> q_nope [B, S, H, dn], q_pe [B, S, H, dr] (RoPE'd), latent [B, S, kv_lora + dr], and the
+        query latent [B, S, q_lora_rank] (None without q_lora)."""
         a = self.args
         bsz, seqlen, _ = x.shape
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
+        if a.q_lora_rank:
+            q_latent = self.q_norm(self.wq_a(x))
+            q = self.wq_b(q_latent)
+        else:
+            q_latent, q = None, self.wq(x)
         q = q.view(bsz, seqlen, self.n_heads, a.qk_head_dim)
         q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin, a.rope_interleave)                  # cos/sin: [S, 1, dr]
@@ -129,23 +188,41 @@ class MLA(nn.Module):
         c, k_pe = kv.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         k_pe = apply_rope(k_pe[:, :, None], cos, sin, a.rope_interleave)[:, :, 0]
         latent = torch.cat([self.kv_norm(c), k_pe], dim=-1)
-        return q_nope, q_pe, latent
+        return q_nope, q_pe, latent, q_latent
 
     def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
                 cache: torch.Tensor | None = None, absorb: bool = False) -> torch.Tensor:
-        """x [B, S, D] at positions start..start+S-1; cache [B, Tmax, kv_lora + dr] is written in place."""
+        """x [B, S, D] at positions start..start+S-1; cache [B, Tmax, cache_dim] is written in place."""
         bsz, seqlen, _ = x.shape
-        q_nope, q_pe, latent = self.project(x, cos, sin)
+        q_nope, q_pe, latent, q_latent = self.project(x, cos, sin)
+        attend = self._attend_absorbed if absorb else self._attend_naive
+        if self.indexer is not None:
+            return self.wo(self._indexed(x, start, cos, sin, cache, attend, q_nope, q_pe, latent, q_latent).flatten(2))
         if cache is not None:
             cache[:, start:start + seqlen] = latent
             kv = cache[:, :start + seqlen]
         else:
             kv = latent
-        attend = self._attend_absorbed if absorb else self._attend_naive
         out = attend(q_nope, q_pe, kv)                    # [B, S, H, dv]
         return self.wo(out.flatten(2))
 
-    def _attend_naive(self, q_nope, q_pe, kv):
+    def _indexed(self, x, start, cos, sin, cache, attend, q_nope, q_pe, latent, q_latent):
+        """V3.2: cache the indexer's keys next to the latents; beyond index_topk tokens of context, attend only
+        to the tokens the indexer selects for each query."""
+        seqlen, width = x.shape[1], self.args.latent_dim
+        index_keys = self.indexer.keys(x, cos, sin)
+        if cache is not None:
+            cache[:, start:start + seqlen, :width] = latent
+            cache[:, start:start + seqlen, width:] = index_keys
+            kv, index_keys = cache[:, :start + seqlen, :width], cache[:, :start + seqlen, width:]
+        else:
+            kv = latent
+        selected = None
+        if kv.shape[1] > self.args.index_topk:
+            selected = self.indexer.select(x, q_latent, index_keys, cos, sin)     # [B, S, index_topk]
+        return attend(q_nope, q_pe, kv, selected)
+
+    def _attend_naive(self, q_nope, q_pe, kv, selected=None):
         """Expand the latent into per-head K/V and run causal SDPA (prefill, training)."""
         a = self.args
         bsz, seqlen, h, _ = q_nope.shape
@@ -160,6 +237,9 @@ class MLA(nn.Module):
         if seqlen > 1:
             # bottom-right causal: query s (absolute total-seqlen+s) sees keys t <= total-seqlen+s
             mask = causal_mask(seqlen, total, q.device)
+        if selected is not None:      # sparse (V3.2): only the tokens the indexer kept for each query
+            keep = torch.zeros(bsz, seqlen, total, dtype=torch.bool, device=q.device).scatter_(-1, selected.long(), True)
+            mask = (keep if mask is None else keep & mask)[:, None]          # [B, 1, S, T]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.softmax_scale)
         return out.transpose(1, 2)
 
@@ -169,7 +249,7 @@ class MLA(nn.Module):
         w = self.wkv_b.weight.view(self.n_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
         return w[:, :a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:]
 
-    def _attend_absorbed(self, q_nope, q_pe, kv):
+    def _attend_absorbed(self, q_nope, q_pe, kv, selected=None):
         """Attention over the latent cache itself: q_nope is folded into W_UK, V is the latent (decode)."""
         a = self.args
         bsz, seqlen, _, _ = q_nope.shape
@@ -179,7 +259,7 @@ class MLA(nn.Module):
         q_abs = torch.bmm(q_nope.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uk)           # [H, BS, c]
         q_abs = q_abs.transpose(0, 1).reshape(bsz, seqlen, h, a.kv_lora_rank)
         q = torch.cat([q_abs, q_pe], dim=-1)                             # [B, S, H, kv_lora + dr]
-        out_latent = mla_attend(q, kv, a.softmax_scale, a.kv_lora_rank)
+        out_latent = mla_attend(q, kv, a.softmax_scale, a.kv_lora_rank, selected)
         # out[b, s, h] = out_latent[b, s, h] @ W_UV[h]^T
         out = torch.bmm(out_latent.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uv.transpose(1, 2))  # [H, BS, dv]
         return out.transpose(0, 1).reshape(bsz, seqlen, h, a.v_head_dim)
@@ -480,6 +560,8 @@ def init_weights(model: Transformer, std: float = 0.02) -> Transformer:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("norm.bias"):
+                p.zero_()
             else:
                 p.normal_(0.0, std)
         for mod in model.modules():

@@ -38,10 +38,11 @@ Numbers like 12345 and 3.14159 appear in text, as do symbols: #, $, %, &, (paren
 
 
 def write_tokenizer(path: str | os.PathLike, vocab_size: int = 400, chat_template: str = CHAT_TEMPLATE,
-                    template_file: bool = False) -> Path:
+                    template_file: bool = False, extra_special_tokens: tuple[str, ...] = ()) -> Path:
     """Train a small byte-level BPE with DeepSeek-style special tokens and write tokenizer files into `path`.
 
-    template_file=True writes the chat template to chat_template.jinja instead of tokenizer_config.json.
+    template_file=True writes the chat template to chat_template.jinja instead of tokenizer_config.json;
+    extra_special_tokens are added after DeepSeek's (a chat template's own markers).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -50,7 +51,7 @@ def write_tokenizer(path: str | os.PathLike, vocab_size: int = 400, chat_templat
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + list(extra_special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_TRAINING_TEXT.splitlines() * 4, trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
@@ -104,6 +105,13 @@ VARIANTS = {
                       n_shared_experts=1, num_experts_per_tok=4, n_group=1, topk_group=1,
                       routed_scaling_factor=2.446, first_k_dense_replace=1, rope_theta=50000.0,
                       rms_norm_eps=1e-5, max_position_embeddings=256),
+    # DeepSeek-V3.2 shape: V3 plus the lightning indexer; index_topk below the test prompts (sparse path)
+    "v32": dict(model_type="deepseek_v32", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                num_hidden_layers=3, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, n_shared_experts=1,
+                num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                routed_scaling_factor=2.5, rope_scaling=_YARN, max_position_embeddings=256,
+                index_topk=8, index_n_heads=16, index_head_dim=16),
     # for FP8: dims that are not multiples of 128 and larger than one block
     "v3fp8": dict(model_type="deepseek_v3", hidden_size=192, intermediate_size=200, moe_intermediate_size=96,
                   num_hidden_layers=2, num_attention_heads=4, q_lora_rank=160, kv_lora_rank=136,
@@ -114,28 +122,36 @@ VARIANTS = {
 
 
 def hf_model(variant: str = "v3", seed: int = 0, vocab_size: int = 400, init_std: float = 0.08, **overrides):
-    """A random transformers DeepseekV3/V2ForCausalLM (fp32) with a non-zero router correction bias."""
+    """A random transformers DeepseekV3/V32/V2ForCausalLM (fp32) with a non-zero router correction bias."""
     import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+    import transformers
 
     spec = dict(VARIANTS[variant], **overrides)
     model_type = spec.pop("model_type")
-    config_cls, model_cls = ((DeepseekV3Config, DeepseekV3ForCausalLM) if model_type == "deepseek_v3"
-                             else (DeepseekV2Config, DeepseekV2ForCausalLM))
+    family = {"deepseek_v3": "DeepseekV3", "deepseek_v32": "DeepseekV32", "deepseek_v2": "DeepseekV2"}[model_type]
+    config_cls = getattr(transformers, family + "Config")
+    model_cls = getattr(transformers, family + "ForCausalLM")
     spec.setdefault("num_key_value_heads", spec["num_attention_heads"])
     config = config_cls(vocab_size=vocab_size, initializer_range=init_std, bos_token_id=0, eos_token_id=1,
                         tie_word_embeddings=False, **spec)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    _perturb(model)
+    return model
+
+
+def _perturb(model) -> None:
+    """Random init leaves the router correction bias at 0 and norms at 1: make both non-trivial, so a missing bias
+    or a wrong norm placement shows up."""
+    import torch
+
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn_like(buf) * 0.05)
-        # norms start at 1.0; perturb them so a wrong norm placement shows up
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    return model
 
 
 def write_checkpoint(path: str | os.PathLike, variant: str = "v3", seed: int = 0, dtype=None,
@@ -146,12 +162,93 @@ def write_checkpoint(path: str | os.PathLike, variant: str = "v3", seed: int = 0
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    if "num_nextn_predict_layers" not in cfg and "num_mtp_layers" not in cfg:
+        # transformers' V3.2 config has no MTP field; DeepSeek's config.json declares its MTP layer
+        cfg["num_nextn_predict_layers"] = 1
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
     if tokenizer:
         write_tokenizer(path, vocab_size=min(400, model.config.vocab_size))
     return path
 
 
-FP8_SKIP = ("norm", "mlp.gate.weight", "embed_tokens", "lm_head", "eh_proj", "e_score_correction_bias")
+# not FP8 in DeepSeek's checkpoints (V3.2's indexer weights_proj included)
+# --- Kimi-K2.5: a multimodal checkpoint whose language model is a Kimi-K2 (V3) network ------------------------
+
+KIMI_TOKENS = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")
+# Kimi's chat format: <|im_ROLE|>ROLE<|im_middle|>content<|im_end|> per message, the assistant prompt at the end
+KIMI_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set role = message['role'] if message['role'] in ('system', 'user') else 'assistant' -%}"
+    "{{ '<|im_' + role + '|>' + role + '<|im_middle|>' + message['content'] + '<|im_end|>' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_assistant|>assistant<|im_middle|>' }}{%- endif -%}"
+)
+_KIMI_TEXT = dict(model_type="kimi_k2", vocab_size=400, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, n_shared_experts=1,
+                  num_experts_per_tok=4, n_group=1, topk_group=1, first_k_dense_replace=1,
+                  routed_scaling_factor=2.827, rope_theta=50000.0, max_position_embeddings=256,
+                  rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                "beta_fast": 1, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+                  num_nextn_predict_layers=0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+_KIMI_VISION = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                    pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
+# in-memory (transformers) prefix -> the hub checkpoint's
+_KIMI_HUB_NAMES = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+                   ("model.vision_tower.", "vision_tower."), ("model.mm_projector.", "mm_projector."))
+
+
+def kimi_k25_model(seed: int = 0, init_std: float = 0.08):
+    """A random transformers Kimi_K25ForConditionalGeneration (fp32): a tiny Kimi-K2 text model and vision tower."""
+    import torch
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    text = dict(_KIMI_TEXT, initializer_range=init_std)
+    config = Kimi_K25Config(text_config=text, vision_config=dict(_KIMI_VISION), projection_hidden_size=32,
+                            tie_word_embeddings=False, initializer_range=init_std)
+    torch.manual_seed(seed)
+    model = Kimi_K25ForConditionalGeneration(config).eval()
+    _perturb(model)
+    return model
+
+
+def write_kimi_k25_checkpoint(path: str | os.PathLike, seed: int = 0) -> Path:
+    """A tiny Kimi-K2.5 checkpoint laid out as the hub's: config.json holding the language model in text_config
+    (model_type kimi_k2), its tensors under language_model.*, per-expert tensors, a vision tower and projector
+    (vision_tower.*, mm_projector.*), and a tokenizer with Kimi's chat template."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = kimi_k25_model(seed)
+    text_tensors, other = {}, {}
+    for name, t in model.state_dict().items():
+        t = t.detach().clone().contiguous()
+        if name.startswith("model.language_model."):
+            text_tensors["model." + name[len("model.language_model."):]] = t
+        elif name == "lm_head.weight":
+            text_tensors[name] = t
+        else:
+            other[name] = t
+    for layer in range(_KIMI_TEXT["num_hidden_layers"]):
+        _split_expert_tensors(text_tensors, layer)
+    tensors = {"language_model." + n: t for n, t in text_tensors.items()}
+    for name, t in other.items():
+        old, new = next(p for p in _KIMI_HUB_NAMES if name.startswith(p[0]))
+        tensors[new + name[len(old):]] = t
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg["text_config"]["model_type"] = "kimi_k2"           # as the hub's config.json says
+    cfg["architectures"] = ["KimiK25ForConditionalGeneration"]
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_tokenizer(path, vocab_size=_KIMI_TEXT["vocab_size"], chat_template=KIMI_CHAT_TEMPLATE,
+                    template_file=True, extra_special_tokens=KIMI_TOKENS)
+    return path
+
+
+FP8_SKIP = ("norm", "mlp.gate.weight", "embed_tokens", "lm_head", "eh_proj", "e_score_correction_bias",
+            "indexer.weights_proj")
 
 
 def write_fp8_copy(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
@@ -242,17 +339,14 @@ def hf_model_from_config(cfg: dict, seed: int = 0, init_std: float = 0.08, **ove
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
+    if "num_hidden_layers" in overrides:      # per-layer lists (V3.2's) are derived again for the new depth
+        for key in ("mlp_layer_types", "layer_types"):
+            spec.pop(key, None)
     spec.update(overrides, initializer_range=init_std)
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.randn_like(buf) * 0.05)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    _perturb(model)
     return model
 
 
@@ -281,7 +375,14 @@ def hf_mtp_logits(hf, path: str | os.PathLike, input_ids):
 
     cfg = hf.config
     n = cfg.num_hidden_layers
-    mtp_cfg = cfg.get_mtp_config()
+    if getattr(cfg, "num_mtp_layers", None) is not None:
+        mtp_cfg = cfg.get_mtp_config()
+    else:   # V3.2: transformers declares no MTP config; the MTP block is one more (MoE, indexed) decoder layer
+        import copy
+
+        mtp_cfg = copy.deepcopy(cfg)
+        mtp_cfg.num_hidden_layers, mtp_cfg.first_k_dense_replace = 1, 0
+        mtp_cfg.layer_types, mtp_cfg.mlp_layer_types = cfg.layer_types[:1], ["sparse"]
     layer_cls = type(hf.model.layers[-1])
     norm_cls = type(hf.model.norm)
     mtp = MtpLayer(mtp_cfg, layer_cls, norm_cls, 0).eval()
@@ -317,7 +418,7 @@ def hf_mtp_logits(hf, path: str | os.PathLike, input_ids):
         pos = torch.arange(1, input_ids.shape[1], device=input_ids.device)[None]   # HF's i+1 convention
         pe = hf.model.rotary_emb(emb, pos)
         mask = create_causal_mask(config=mtp_cfg, inputs_embeds=emb, attention_mask=None, cache=None,
-                                  position_ids=pos)
+                                  position_ids=pos, allow_is_causal_skip=False)   # V3.2's indexer reads the mask
         out = mtp(emb, prev, position_embeddings=pe, attention_mask=mask, position_ids=pos, cache=None)
         return hf.lm_head(out)
 

@@ -2,8 +2,8 @@
 
 Works from shapes alone (ModelArgs + the expert blob size), so `dsv3lite plan` reads no weights.
 Resident: embeddings, lm_head, attention, norms, routers, shared experts, dense MLPs, MTP non-expert
-parts, the latent KV cache for --ctx-size, and a workspace for activations. The rest of the budget
-becomes equal-size expert slots in one global pool.
+parts, the KV cache for --ctx-size (the latents, and on V3.2 the indexer's keys beside them), and a
+workspace for activations. The rest of the budget becomes equal-size expert slots in one global pool.
 """
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 from ..config import ModelArgs
 from ..errors import UserError
-from ..footprint import footprint
+from ..footprint import footprint, indexer_fp32_params
 from ..limits import PREFILL_CHUNK
+from ..model import INDEX_SCORE_ELEMENTS
 from ..utils import format_bytes
 
 
@@ -31,6 +32,7 @@ class OffloadPlan:
     total_experts: int                  # routed experts of every MoE layer (MTP included when on)
     expert_format: str
     ctx_size: int
+    indexer_keys: bool = False          # the KV cache also holds V3.2's indexer keys
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -50,8 +52,9 @@ class OffloadPlan:
         return self.n_slots >= self.total_experts
 
     def table(self) -> str:
+        cache = "KV cache: latents + indexer keys" if self.indexer_keys else "latent KV cache"
         rows = [(k, v) for k, v in self.components.items() if v] + [
-            (f"latent KV cache ({self.ctx_size} tokens)", self.kv_cache), ("workspace", self.workspace),
+            (f"{cache} ({self.ctx_size} tokens)", self.kv_cache), ("workspace", self.workspace),
             (f"expert slots ({self.n_slots} x {format_bytes(self.slot_bytes)}, {self.expert_format})", self.slots_total)]
         width = max(len(k) for k, _ in rows)
         lines = [f"  {k:<{width}}  {format_bytes(v):>12}  {100 * v / self.budget:5.1f}%" for k, v in rows]
@@ -71,8 +74,11 @@ def resident_components(a: ModelArgs, dense_bytes: int, mtp: bool) -> dict[str, 
     }
     out = {k: v * dense_bytes for k, v in comps.items()}
     out["routers (fp32)"] = fp.routers * 4
+    # V3.2's indexer weights_proj stays fp32: its extra bytes over the compute dtype
+    fp32_extra = indexer_fp32_params(a) * max(4 - dense_bytes, 0)
+    out["attention + norms"] += a.num_hidden_layers * fp32_extra
     if mtp and fp.mtp_dense:
-        out["MTP (non-expert)"] = fp.mtp_dense * dense_bytes
+        out["MTP (non-expert)"] = fp.mtp_dense * dense_bytes + fp32_extra
     return out
 
 
@@ -83,6 +89,9 @@ def workspace_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
     hidden = chunk * (8 * a.hidden_size + 3 * max(a.intermediate_size, a.moe_intermediate_size)) * 4
     expanded_kv = ctx_size * a.num_attention_heads * (a.qk_head_dim + a.v_head_dim) * dense_bytes
     scores = chunk * a.num_attention_heads * min(ctx_size, 4 * chunk) * 4
+    if a.has_indexer:   # the indexer's fp32 scores (blocks of queries, ~3 live copies) and the chunk's sparse mask
+        block = min(chunk * a.index_n_heads * ctx_size, max(INDEX_SCORE_ELEMENTS, a.index_n_heads * ctx_size))
+        scores += 3 * 4 * block + 2 * chunk * ctx_size
     return logits + hidden + expanded_kv + scores + SLACK_BYTES
 
 
@@ -91,12 +100,12 @@ def make_plan(a: ModelArgs, budget: int, ctx_size: int, slot_bytes: int, expert_
     """Place everything resident; the rest of `budget` becomes expert slots. Too small -> UserError."""
     mtp = mtp and a.num_nextn_predict_layers > 0
     n_blocks = a.num_hidden_layers + (1 if mtp else 0)
-    kv = n_blocks * ctx_size * a.latent_dim * (kv_bytes or dense_bytes)
+    kv = n_blocks * ctx_size * a.cache_dim * (kv_bytes or dense_bytes)
     comps = resident_components(a, dense_bytes, mtp)
     n_moe = len(a.moe_layer_ids) + (1 if mtp else 0)
     plan = OffloadPlan(budget=budget, components=comps, kv_cache=kv, workspace=workspace_bytes(a, ctx_size, dense_bytes),
                 slot_bytes=slot_bytes, n_slots=0, total_experts=n_moe * a.n_routed_experts,
-                expert_format=expert_format, ctx_size=ctx_size)
+                expert_format=expert_format, ctx_size=ctx_size, indexer_keys=a.has_indexer)
     free = budget - plan.resident
     plan.n_slots = max(min(free // slot_bytes, plan.total_experts), 0) if slot_bytes else 0
     min_slots = min(MIN_SLOTS_PER_TOPK * a.num_experts_per_tok, plan.total_experts)
