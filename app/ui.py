@@ -187,7 +187,10 @@ def build_ui(runner, *, model_id: str, sampling: dict | None = None, system_prom
             shown, hist = view()
             shown = shown + [{"role": "assistant", "content": f"⚠️ {error}"}]
         else:
-            shown, hist = view(" *[stopped]*" if job.status == "cancelled" else "")
+            note = " *[stopped]*" if job.status == "cancelled" else ""
+            if job.unknown_tokens:
+                note += f" *[{job.unknown_tokens} token ids past the tokenizer's vocabulary: shown as nothing]*"
+            shown, hist = view(note)
         yield gr.skip(), hist, shown, _panel(me), render_chart(runner, job), _stop_button(False)
 
     def _last_stats(me: _Session) -> dict | None:

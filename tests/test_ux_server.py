@@ -14,6 +14,7 @@ import pytest
 
 import dsv3lite
 from dsv3lite.app.server import ServerThread, create_app
+from dsv3lite.generate import Chunk
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -25,7 +26,7 @@ def logged(v3_dir):
     llm.stop_ids = set()                       # every reply runs to max_tokens
     lines: list[str] = []
     with ServerThread(create_app(llm, ui=False, log=lines.append)) as server:
-        yield server, lines
+        yield server, lines, llm
 
 
 def line_for(lines: list[str], needle: str, timeout: float = 10) -> str:
@@ -40,7 +41,7 @@ def line_for(lines: list[str], needle: str, timeout: float = 10) -> str:
 
 
 def test_one_log_line_per_request(logged):
-    server, lines = logged
+    server, lines, _ = logged
     r = httpx.post(server.url + "/v1/chat/completions", json=GOOD, timeout=30)
     assert r.status_code == 200
     line = line_for(lines, '"POST /v1/chat/completions" 200')
@@ -62,12 +63,26 @@ def test_one_log_line_per_request(logged):
     assert len(lines) == before + 1                                    # one line per request
 
 
+def test_ids_past_the_tokenizer_are_logged(logged, monkeypatch):
+    server, lines, llm = logged
+    vocab = llm.tokenizer.vocab_size
+
+    def past_vocab(ids, **kw):
+        yield Chunk("a", 5)
+        yield Chunk("", vocab + 1, "length")
+    monkeypatch.setattr(llm, "generate", past_vocab)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
+    line = line_for(lines, "past the tokenizer")
+    assert '"POST /v1/completions" 200 2 tok (1 ids past the tokenizer\'s vocabulary)' in line
+
+
 @pytest.mark.parametrize("method,path,allow", [("GET", "/v1/chat/completions", "POST"),
                                                ("GET", "/v1/completions", "POST"),
                                                ("POST", "/v1/models", "GET"),
                                                ("DELETE", "/v1/stats", "GET")])
 def test_wrong_method_is_405_with_allow(logged, method, path, allow):
-    server, lines = logged
+    server, lines, _ = logged
     r = httpx.request(method, server.url + path, timeout=30)
     assert r.status_code == 405 and r.headers["allow"] == allow
     err = r.json()["error"]
