@@ -8,7 +8,7 @@ from .utils import format_bytes
 def offload_active(stats: dict) -> bool:
     """True when routed experts are offloaded (the expert-cache figures mean something)."""
     ec = stats.get("expert_cache") or {}
-    return "slots" in ec or any(ec.get(k) for k in ("hits", "prefetch_hits", "demand_misses", "cpu_experts"))
+    return any(ec.get(k) for k in ("slots", "hits", "prefetch_hits", "demand_misses", "cpu_experts"))
 
 
 def summary(stats: dict, finish_reason: str | None = None) -> str:

@@ -61,6 +61,8 @@ def test_stats_panel_and_line_share_the_expert_cache_rule():
     offloaded = {**STATS, "expert_cache": {**STATS["expert_cache"], "prefetch_hits": 12, "hit_rate": 1.0,
                                            "slots": 40}}
     assert offload_active(offloaded) and not offload_active(STATS)
+    from dsv3lite.offload.stats import empty_expert_cache_stats
+    assert not offload_active({**STATS, "expert_cache": empty_expert_cache_stats()})   # every key, all zero
     assert "experts hit 100%" in summary(offloaded) and "100% hit" in format_stats(offloaded)
 
 
