@@ -90,3 +90,15 @@ def checkpoint_dir(path, what: str):
     if not (path / "config.json").is_file():
         raise UserError(f"no config.json in {path}: not a checkpoint directory")
     return path
+
+
+def terminal_bar_fits() -> bool:
+    """Whether a progress bar on stderr can be seen: a terminal with a width (a zero-width pseudo-terminal, as
+    some job runners give, draws nothing: print lines there)."""
+    import os
+    import sys
+
+    try:
+        return sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns > 0
+    except (OSError, ValueError, AttributeError):
+        return False

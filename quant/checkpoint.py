@@ -32,7 +32,7 @@ from ..config import ModelArgs
 from ..errors import UserError
 from ..hf_checkpoint import (FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader, check_fp8_scale,
                              expert_tensor_name, map_name, mtp_status)
-from ..utils import checkpoint_dir, format_bytes
+from ..utils import checkpoint_dir, format_bytes, terminal_bar_fits
 from .formats import format_for_layout, get_format
 from .fp8 import fp8_block_dequant
 from .layout import MATRICES, BlobLayout, ExpertFormat
@@ -213,6 +213,13 @@ class QuantizePlan:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def layers_label(self) -> str:
+        """"5 MoE layers + the MTP layer", as `info` counts them."""
+        main = sum(1 for i in self.moe_layers if i != self.args.mtp_layer_id)
+        return f"{main} MoE layer{'s' if main != 1 else ''}" + (
+            " + the MTP layer" if self.args.mtp_layer_id in self.moe_layers else "")
+
+    @property
     def partial(self) -> Path:
         dst = Path(os.path.abspath(self.dst))
         return dst.parent / (dst.name + ".partial")
@@ -373,7 +380,7 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
     _atomic_write(plan.partial / MANIFEST, json.dumps(plan.manifest().to_json(), indent=2) + "\n")
     _finish(plan)
     dense_bytes = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
-    log(f"wrote {plan.dst}: {n_layers} MoE layers x {n_experts} experts as {plan.fmt.label} "
+    log(f"wrote {plan.dst}: {plan.layers_label} x {n_experts} experts as {plan.fmt.label} "
         f"({format_bytes(n_layers * n_experts * plan.layout.blob_bytes)}), dense {plan.dense} "
         f"({format_bytes(dense_bytes)}), in {time.perf_counter() - t_start:.1f}s")
     return plan.dst
@@ -433,7 +440,7 @@ def _prepare_dirs(plan: QuantizePlan, force: bool, resume: bool, log) -> dict:
     state = {"version": 1, "source_hash": plan.source_hash, "options": plan.options(), "dense_done": False,
              "layers_done": []}
     _save_progress(partial, state)
-    log(f"quantizing {plan.src} -> {plan.dst}: {len(plan.moe_layers)} MoE layers x {plan.args.n_routed_experts} "
+    log(f"quantizing {plan.src} -> {plan.dst}: {plan.layers_label} x {plan.args.n_routed_experts} "
         f"experts as {plan.fmt.label} ({format_bytes(plan.layout.blob_bytes)} "
         f"per expert), dense {plan.dense}")
     return state
@@ -463,6 +470,7 @@ def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progre
 
     n_experts = plan.args.n_routed_experts
     todo = [i for i in plan.moe_layers if i not in state["layers_done"]]
+    bar_fits = terminal_bar_fits()
     pause_after = int(os.environ.get(PAUSE_ENV) or -1)
     blob = torch.empty(plan.layout.blob_bytes, dtype=torch.uint8)
     t0, done_bytes = time.perf_counter(), 0
@@ -470,19 +478,19 @@ def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progre
                                  plan.experts_metadata()) as out, \
             tqdm(total=len(plan.moe_layers) * n_experts, initial=len(state["layers_done"]) * n_experts,
                  desc=f"{plan.fmt.name} experts", unit="expert", file=sys.stderr, dynamic_ncols=True,
-                 disable=not progress or None) as bar:
+                 disable=not (progress and bar_fits)) as bar:
         for layer in todo:
             for e in range(n_experts):
                 pack_expert(reader, layer, e, plan.fmt, plan.layout, out=blob)
                 out.write_row(blob_name(layer), e, blob)
                 done_bytes += plan.expert_src_bytes
-                bar.set_postfix_str(f"layer {layer}, {done_bytes / (time.perf_counter() - t0) / 1e9:.2f} GB/s",
+                bar.set_postfix_str(f"layer {layer}, {format_bytes(done_bytes / (time.perf_counter() - t0))}/s",
                                     refresh=False)
                 bar.update(1)
             out.sync()                            # the layer is on disk before progress.json says so
             state["layers_done"].append(layer)
             _save_progress(plan.partial, state)
-            if progress and not sys.stderr.isatty():  # no bar in a log file: one line per layer instead
+            if progress and not bar_fits:          # no bar in a log file or a zero-width terminal: one line per layer
                 k, rate = len(state["layers_done"]), done_bytes / (time.perf_counter() - t0)
                 eta = (len(plan.moe_layers) - k) * n_experts * plan.expert_src_bytes / rate
                 log(f"layer {layer} done ({k}/{len(plan.moe_layers)}), {format_bytes(rate)}/s, ETA {eta / 60:.0f} min")

@@ -363,3 +363,19 @@ def test_bad_quantized_dirs_when_loading(work, quantized, capsys):
     _one_line_error(capsys, gen + [broken("no-blobs", lambda d: (d / EXPERTS_FILE).unlink())], EXPERTS_FILE)
     _one_line_error(capsys, gen + [good, "--experts", "fp8"], "int4")
     assert main(gen + [str(good), "--experts", "int4"]) == 0             # the format it holds is fine
+
+
+@pytest.mark.parametrize("columns,shows", [(100, "B/s"), (0, "layer 1 done")], ids=["terminal", "zero-width"])
+def test_quantize_progress_on_a_terminal(work, columns, shows):
+    """A terminal gets the bar with a rate in binary units (never "0.00 GB/s"); a zero-width terminal, where a bar
+    draws nothing, gets a line per layer; both count the layers as `info` does (the demo has an MTP layer)."""
+    from test_ux_chat_terminal import Terminal
+
+    args = ModelArgs.from_dir(dsv3lite.DEMO_DIR)
+    dst = work / f"progress-{columns}"
+    term = Terminal([sys.executable, "-m", "dsv3lite.cli", "quantize", str(dsv3lite.DEMO_DIR), str(dst), "--experts",
+                     "bf16"], dict(os.environ, COLUMNS=str(columns or "")), columns=columns)
+    term.expect(f"wrote {dst}")
+    assert term.close() == 0
+    assert shows in term.seen and "0.00 GB/s" not in term.seen
+    assert f"{len(args.moe_layer_ids)} MoE layers + the MTP layer x {args.n_routed_experts} experts" in term.seen

@@ -18,11 +18,11 @@ LEFT, UP = "\x1b[D", "\x1b[A"
 
 
 class Terminal:
-    """A child process on a pseudo-terminal of 24x100; `expect` reads its output until a string shows up."""
+    """A child process on a pseudo-terminal (24 x `columns`); `expect` reads its output until a string shows up."""
 
-    def __init__(self, argv, env):
+    def __init__(self, argv, env, columns: int = 100):
         self.master, slave = pty.openpty()
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
         self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
                                      start_new_session=True)
         os.close(slave)
