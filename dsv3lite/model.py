@@ -140,7 +140,7 @@ class Indexer(nn.Module):
         block = max(1, INDEX_SCORE_ELEMENTS // (self.n_heads * total))
         picked = []
         for s0 in range(0, seqlen, block):
-            scores = F.relu(torch.matmul(q[:, s0:s0 + block], k) * self.scale)      # [B, s, H, T]
+            scores = torch.matmul(q[:, s0:s0 + block], k).mul_(self.scale).relu_()   # [B, s, H, T]
             index_scores = torch.matmul(weights[:, s0:s0 + block, None], scores)[:, :, 0]   # [B, s, T]
             if seqlen > 1:
                 visible = causal_mask(seqlen, total, x.device)[s0:s0 + block]

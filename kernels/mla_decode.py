@@ -369,10 +369,11 @@ def _sparse_latent_attention(q, keys, softmax_scale, kv_lora_rank, indices):
     idx = indices.long()
     positions = torch.arange(total - sq, total, device=q.device)[:, None]           # [Sq, 1]
     hidden = (idx < 0) | (idx > positions)                                          # [Sq, K]
-    picked = keys[idx.clamp(0, total - 1)]                                          # [Sq, K, Dk]
+    picked = keys.index_select(0, idx.clamp(0, total - 1).flatten()).view(sq, -1, keys.shape[1])   # [Sq, K, Dk]
     picked = picked if picked.dtype == torch.float32 else picked.float()
     scores = torch.matmul(q if q.dtype == torch.float32 else q.float(), picked.transpose(1, 2)) * softmax_scale
-    scores.masked_fill_(hidden[:, None, :], float("-inf"))                          # [Sq, H, K]
+    if sq > 1 or bool(hidden.any()):          # a decode step's list (the indexer's top-k) names only visible rows
+        scores.masked_fill_(hidden[:, None, :], float("-inf"))                      # [Sq, H, K]
     out = torch.matmul(scores.softmax(-1), picked[..., :kv_lora_rank])
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
