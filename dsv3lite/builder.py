@@ -67,7 +67,7 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
         ctx_size = args.max_position_embeddings
     tokenizer = None
     if (root / "tokenizer.json").is_file() or (root / "tiktoken.model").is_file():
-        tokenizer = Tokenizer.from_dir(root)
+        tokenizer = Tokenizer.from_dir(root, log=log)
     else:
         log(f"note: {root} has no tokenizer.json: the model takes and returns token ids only")
     t0 = time.perf_counter()

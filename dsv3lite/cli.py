@@ -13,8 +13,14 @@ from pathlib import Path
 import click
 
 from .errors import UserError
+from .offload.options import MISS_POLICIES, OffloadOptions
+from .offload.policy import POLICIES
+from .quant.formats import FORMATS
+from .quant.int4 import GROUP_SIZES
 from .stats import summary
 from .utils import format_bytes, format_count, parse_size
+
+OFFLOAD_DEFAULTS = OffloadOptions()
 
 EXIT_USER = 2
 
@@ -100,16 +106,17 @@ def engine_options(temp: float = 0.0, top_p: float = 1.0):
         click.option("--mtp/--no-mtp", default=True, show_default=True,
                      help="Speculative decoding with the model's own MTP head."),
         click.option("--dtype", default=None, help="bfloat16 (CUDA default) | float32 (CPU default) | float16"),
-        click.option("--experts", type=click.Choice(["int4", "fp8", "nf4", "bf16"]), default=None,
+        click.option("--experts", type=click.Choice(FORMATS), default=None,
                      help="Quantize an HF checkpoint's routed experts to this format at load."),
         click.option("--num-draft-tokens", type=click.IntRange(1, 3), default=1, show_default=True,
                      help="MTP draft tokens per step."),
-        click.option("--lookahead", type=click.IntRange(0, 8), default=2, show_default=True,
+        click.option("--lookahead", type=click.IntRange(0, 8), default=OFFLOAD_DEFAULTS.lookahead, show_default=True,
                      help="Offloading: MoE layers ahead whose experts are predicted and prefetched."),
-        click.option("--miss-policy", type=click.Choice(["auto", "fetch", "cpu"]), default="auto", show_default=True,
+        click.option("--miss-policy", type=click.Choice(MISS_POLICIES), default=OFFLOAD_DEFAULTS.miss_policy,
+                     show_default=True,
                      help="Offloading: a missed expert is fetched to the device or computed on the CPU "
                           "(auto: whichever the start-up cost model says is faster)."),
-        click.option("--cache-policy", type=click.Choice(["decayed-lfu", "lru", "lfu"]), default="decayed-lfu",
+        click.option("--cache-policy", type=click.Choice(list(POLICIES)), default=OFFLOAD_DEFAULTS.cache_policy,
                      show_default=True, help="Offloading: expert-slot eviction policy."),
     ]
 
@@ -399,9 +406,9 @@ def info(weights, as_json):
 @cli.command(short_help="Write an HF checkpoint with int4/fp8/nf4/bf16 experts.")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--experts", type=click.Choice(["int4", "fp8", "nf4", "bf16"]), required=True,
+@click.option("--experts", type=click.Choice(FORMATS), required=True,
               help="Format of the routed experts.")
-@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+@click.option("--group-size", type=click.Choice([str(g) for g in GROUP_SIZES]), default="128", show_default=True,
               help="int4 group size along the input dimension.")
 @click.option("--dense", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
               help="Non-expert weights: bf16, or keep an FP8 source's FP8 tensors.")
@@ -415,13 +422,33 @@ def quantize(src, dst, experts, group_size, dense, force, resume):
                         resume=resume, progress=True, log=log)
 
 
+@cli.command("convert-tokenizer", short_help="tokenizer.json from tiktoken.model (Kimi).")
+@click.argument("weights", type=click.Path())
+@click.option("--force", is_flag=True, help="Replace an existing tokenizer.json.")
+def convert_tokenizer(weights, force):
+    """Build WEIGHTS/tokenizer.json from its tiktoken.model and tokenizer_config.json (Kimi-K2, Moonlight). Loading
+    such a checkpoint does the same on its own, into a cache; this writes it next to the model."""
+    from .tiktoken_convert import TIKTOKEN_FILE, build_tokenizer_json, write_atomic
+    from .tokenizer import read_json
+    from .utils import checkpoint_dir
+
+    root = checkpoint_dir(weights, "weights directory")
+    if not (root / TIKTOKEN_FILE).is_file():
+        raise UserError(f"no {TIKTOKEN_FILE} in {root}: nothing to convert")
+    out = root / "tokenizer.json"
+    if out.exists() and not force:
+        raise UserError(f"{out} exists: add --force to replace it")
+    write_atomic(out, build_tokenizer_json(root / TIKTOKEN_FILE, read_json(root / "tokenizer_config.json")))
+    log(f"wrote {out}")
+
+
 @cli.command(short_help="What a --gpu-mem budget buys, reading no weights.")
 @click.option("--weights", "-w", type=click.Path(), default=None, help="Checkpoint directory (default: demo model).")
 @click.option("--gpu-mem", type=SIZE, required=True,
               help="Device budget to plan for (80G = 80 GiB; auto on CUDA: free memory minus a reserve).")
 @click.option("--ctx-size", "-c", type=click.IntRange(min=2), default=None,
               help="Context length (tokens).  [default: 4096, or the model's limit]")
-@click.option("--experts", type=click.Choice(["int4", "fp8", "nf4", "bf16"]), default=None,
+@click.option("--experts", type=click.Choice(FORMATS), default=None,
               help="Expert format (default: the checkpoint's own).")
 @click.option("--device", default="auto", show_default=True, help="The device of the run planned for: auto | cuda | cpu")
 @click.option("--dtype", default=None,

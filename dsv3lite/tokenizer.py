@@ -47,28 +47,30 @@ class Tokenizer:
         self._compiled: dict[str, jinja2.Template] = {}
 
     @classmethod
-    def from_dir(cls, path) -> Tokenizer:
-        """Load tokenizer.json, tokenizer_config.json, chat_template.jinja and generation_config.json from `path`."""
+    def from_dir(cls, path, log=None) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json, chat_template.jinja and generation_config.json from `path`.
+        A checkpoint that ships only tiktoken.model (Kimi-K2, Moonlight) gets a tokenizer.json built from it once
+        and cached (see tiktoken_convert), with a note through `log`."""
         path = Path(path)
         if not path.is_dir():
             raise UserError(f"tokenizer directory not found: {path}")
+        config = read_json(path / "tokenizer_config.json")
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
-            if (path / "tiktoken.model").is_file():
-                raise UserError(f"{path} ships only tiktoken.model; a tokenizer.json (Hugging Face fast tokenizer) "
-                                "is required next to it")
-            raise UserError(f"no tokenizer.json in {path}")
+            if not (path / "tiktoken.model").is_file():
+                raise UserError(f"no tokenizer.json in {path}")
+            from .tiktoken_convert import converted_tokenizer
+            tokenizer_file = converted_tokenizer(path, config, log)
         try:
             backend = Backend.from_file(str(tokenizer_file))
         except Exception as e:  # the Rust side raises a bare Exception with serde's message
             raise UserError(f"cannot read {tokenizer_file}: {_one_line(e)}") from None
 
-        config = _read_json(path / "tokenizer_config.json")
         if "added_tokens_decoder" not in config:
             # Older checkpoints keep their special tokens in special_tokens_map.json; transformers lets it override.
-            config.update(_read_json(path / "special_tokens_map.json"))
+            config.update(read_json(path / "special_tokens_map.json"))
         template_vars = _special_token_vars(config)
-        generation = _read_json(path / "generation_config.json")
+        generation = read_json(path / "generation_config.json")
         stop = generation.get("eos_token_id")
         stop_ids = [stop] if isinstance(stop, int) else [i for i in stop or () if isinstance(i, int)]
         return cls(backend, bos_token=_token_text(config.get("bos_token")),
@@ -191,7 +193,7 @@ def _one_line(error: Exception) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def _read_json(file: Path) -> dict:
+def read_json(file: Path) -> dict:
     if not file.is_file():
         return {}
     try:

@@ -262,9 +262,11 @@ def test_missing_tokenizer_json(tmp_path):
     assert_user_error(lambda: Tokenizer.from_dir(tmp_path), str(tmp_path), "tokenizer.json")
 
 
-def test_tiktoken_only_directory(tmp_path):
-    (tmp_path / "tiktoken.model").write_text("aGVsbG8= 0\n")
-    assert_user_error(lambda: Tokenizer.from_dir(tmp_path), str(tmp_path), "tiktoken.model", "tokenizer.json")
+def test_tiktoken_only_directory_with_a_damaged_model(tmp_path, monkeypatch):
+    # a tiktoken-only directory is converted (tests/test_tiktoken_tokenizer.py); a damaged model is one line
+    monkeypatch.setenv("DSV3LITE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "tiktoken.model").write_text("aGVsbG8= 0\naGVsbG8= x\n")
+    assert_user_error(lambda: Tokenizer.from_dir(tmp_path), str(tmp_path), "tiktoken.model")
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json"])
