@@ -42,7 +42,11 @@ def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = tor
     n, k = q.shape
     if tuple(s.shape) != scale_grid_shape(n, k):
         raise ValueError(f"scale grid {tuple(s.shape)} does not fit weight {(n, k)}: expected {scale_grid_shape(n, k)}")
-    w = q.float() * expand_block_scales(s.float(), n, k)
+    s = s.float()
+    if n % BLOCK == 0 and k % BLOCK == 0:     # whole blocks: broadcast each scale over its block, no expanded copy
+        w = (q.float().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK) * s[:, None, :, None]).view(n, k)
+    else:
+        w = q.float() * expand_block_scales(s, n, k)
     return w.to(torch.bfloat16).to(dtype)
 
 
