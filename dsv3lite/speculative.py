@@ -43,9 +43,12 @@ def accept_drafts(target: list[torch.Tensor], drafts: list[int], draft_probs: li
 
 class MTPTimer:
     """Decides whether speculation pays: a few plain steps are timed first, then speculative steps; after
-    JUDGE_AFTER of them, MTP is turned off if it produced fewer tokens per second than plain decoding."""
+    JUDGE_AFTER of them, MTP is turned off if it produced fewer tokens per second than plain decoding. Acceptance
+    is watched all along: a window of JUDGE_AFTER speculative steps accepting under MIN_ACCEPTANCE of the drafts
+    turns MTP off too (every draft then costs a verify position, e.g. its experts on an offloaded model)."""
     PROBE_PLAIN = 3
     JUDGE_AFTER = 16
+    MIN_ACCEPTANCE = 0.1
 
     def __init__(self, adaptive: bool = True):
         self.adaptive = adaptive
@@ -54,6 +57,7 @@ class MTPTimer:
         self.spec_tokens = 0
         self.spec_steps = 0
         self.judged = not adaptive
+        self.window = [0, 0, 0]                     # speculative steps, drafts, drafts accepted since the last look
 
     def probing(self) -> bool:
         return self.adaptive and len(self.plain_s) < self.PROBE_PLAIN
@@ -61,12 +65,21 @@ class MTPTimer:
     def plain(self, dt: float) -> None:
         self.plain_s.append(dt)
 
-    def spec(self, dt: float, tokens: int) -> None:
+    def spec(self, dt: float, tokens: int, drafted: int = 0, accepted: int = 0) -> None:
         self.spec_s += dt
         self.spec_tokens += tokens
         self.spec_steps += 1
+        w = self.window
+        w[0], w[1], w[2] = w[0] + 1, w[1] + drafted, w[2] + accepted
 
     def verdict(self) -> str | None:
+        if not self.adaptive:
+            return None
+        steps, drafted, accepted = self.window
+        if steps >= self.JUDGE_AFTER:
+            self.window = [0, 0, 0]
+            if drafted and accepted / drafted < self.MIN_ACCEPTANCE:
+                return f"only {accepted / drafted:.0%} of the last {drafted} drafts were accepted"
         if self.judged or self.spec_steps < self.JUDGE_AFTER or not self.plain_s:
             return None
         self.judged = True
@@ -192,7 +205,7 @@ class Speculator:
             self.catch_up(cache, h[:a + 1], new, m)
             stats.drafted += k
             stats.accepted += a
-            self.timer.spec(time.perf_counter() - t0, len(new))
+            self.timer.spec(time.perf_counter() - t0, len(new), k, a)
             return new, kept
         h, logits = forward([token], m)
         new = [sample(sampling_probs(logits[0], params), gen)]

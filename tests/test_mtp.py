@@ -131,3 +131,26 @@ def test_engine_speculative_step_samples_the_target_distribution(mtp_dir):
     assert stats.drafted == 300                            # every step speculated
     # 3 degrees of freedom: the 99.9th percentile is 16.3
     assert _chi_square(counts, target) < 16.3
+
+
+def test_mtp_turns_itself_off_when_drafts_are_rarely_accepted():
+    from dsv3lite.speculative import MTPTimer
+
+    fast = MTPTimer()
+    for _ in range(MTPTimer.PROBE_PLAIN):
+        fast.plain(1.0)
+    for _ in range(MTPTimer.JUDGE_AFTER - 1):
+        fast.spec(0.1, tokens=1, drafted=1, accepted=0)        # faster than plain, but nothing accepted
+        assert fast.verdict() is None
+    fast.spec(0.1, tokens=1, drafted=1, accepted=0)
+    assert "0% of the last 16 drafts" in fast.verdict()
+    good = MTPTimer()
+    for _ in range(MTPTimer.PROBE_PLAIN):
+        good.plain(1.0)
+    for _ in range(3 * MTPTimer.JUDGE_AFTER):
+        good.spec(1.0, tokens=2, drafted=1, accepted=1)
+        assert good.verdict() is None
+    off = MTPTimer(adaptive=False)
+    for _ in range(MTPTimer.JUDGE_AFTER):
+        off.spec(0.1, tokens=1, drafted=1, accepted=0)
+    assert off.verdict() is None                                # not adaptive: never judged
