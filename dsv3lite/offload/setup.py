@@ -86,6 +86,8 @@ def _host_blobs(source: ExpertSource, layers, device, total, cap, log):
     import psutil
     from tqdm import tqdm
 
+    from .host_memory import pinned_empty
+
     available = psutil.virtual_memory().available - HOST_RESERVE_BYTES
     pin = device.type == "cuda" and total <= available and (cap is None or total <= cap)
     if not source.mapped:
@@ -94,7 +96,7 @@ def _host_blobs(source: ExpertSource, layers, device, total, cap, log):
     for layer in tqdm(layers, desc="host tier", unit="layer", disable=None, leave=False):
         t = source.layer_blobs(layer)
         if pin:
-            pinned = torch.empty(t.shape, dtype=torch.uint8, pin_memory=True)
+            pinned = pinned_empty(tuple(t.shape))             # exactly the blobs' bytes (no power-of-two rounding)
             pinned.copy_(t)
             t = pinned
         blobs[layer] = t
