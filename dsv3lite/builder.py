@@ -77,7 +77,7 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
 
         offload = build_offload(root, args, experts, gpu_mem, ctx_size, dev, dt, mtp, offload_options, log=log)
     provider = offload.provider if offload is not None else resident_experts(root, args, experts, dev, log)
-    model = Loader(root, dev, dt, progress=progress, log=log).load(args, expert_provider=provider)
+    model = Loader(root, dev, dt, progress=progress, log=log).load(args, expert_provider=provider, mtp=mtp)
     if offload is not None:
         offload.attach(model)
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

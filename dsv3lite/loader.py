@@ -56,12 +56,14 @@ class Loader:
         self.device, self.dtype, self.progress = device, dtype, progress
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
 
-    def load(self, args: ModelArgs | None = None, expert_provider=None) -> Transformer:
+    def load(self, args: ModelArgs | None = None, expert_provider=None, mtp: bool = True) -> Transformer:
         """expert_provider(layer_id) -> module: when given, routed experts come from it (a quantized store,
-        the offloading runtime) and the checkpoint's per-expert tensors are not read."""
+        the offloading runtime) and the checkpoint's per-expert tensors are not read. mtp=False leaves the MTP
+        layer out (none of its tensors is read)."""
         args = args or ModelArgs.from_dir(self.root)
         index = CheckpointIndex.open(self.root)
-        with_mtp, notice = mtp_status(index, args)
+        with_mtp, notice = mtp_status(index, args) if mtp else (False, None)
+        self.skip_mtp = not with_mtp
         for note in (notice, index.skipped_note()):
             if note:
                 self.log(note)
@@ -92,7 +94,8 @@ class Loader:
             if name.endswith("_scale_inv"):
                 continue
             target = map_name(name, args)
-            if target is None or (target.expert is not None and self.external_experts):
+            if target is None or (target.expert is not None and self.external_experts) or (
+                    self.skip_mtp and target.name.startswith("mtp.")):
                 ignored.append(name)
                 continue
             weight, scale = reader.weight(name)

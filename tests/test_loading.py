@@ -42,3 +42,15 @@ def test_a_checkpoint_without_tokenizer_loads_for_token_ids(tmp_path, v3_dir):
         list(llm.generate("hello", max_tokens=2))
     with pytest.raises(UserError, match="needs a tokenizer"):
         list(llm.chat([{"role": "user", "content": "hi"}], max_tokens=2))
+
+
+def test_no_mtp_loads_no_mtp_layer_and_no_mtp_cache():
+    with_mtp = dsv3lite.load(device="cpu", progress=False, log=lambda m: None, mtp_adaptive=False)
+    without = dsv3lite.load(device="cpu", mtp=False, progress=False, log=lambda m: None)
+    assert with_mtp.model.mtp is not None and without.model.mtp is None
+    n_params = lambda llm: sum(p.numel() for p in llm.model.parameters())
+    assert n_params(without) < n_params(with_mtp)
+    want = [c.token_id for c in with_mtp.generate("ROMEO:", max_tokens=12)]
+    assert [c.token_id for c in without.generate("ROMEO:", max_tokens=12)] == want
+    assert without.cache.shape[0] == without.args.num_hidden_layers < with_mtp.cache.shape[0]
+    assert without.stats()["mtp"]["enabled"] is False
