@@ -54,3 +54,19 @@ def test_no_mtp_loads_no_mtp_layer_and_no_mtp_cache():
     assert [c.token_id for c in without.generate("ROMEO:", max_tokens=12)] == want
     assert without.cache.shape[0] == without.args.num_hidden_layers < with_mtp.cache.shape[0]
     assert without.stats()["mtp"]["enabled"] is False
+
+
+def test_a_cuda_budget_keeps_a_reserve_and_names_the_largest_that_works(monkeypatch):
+    from dsv3lite.offload import setup
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(78.5 * gib), int(79.6 * gib)))
+    cuda = torch.device("cuda")
+    assert setup.resolve_budget("40G", cuda) == 40 * gib - setup.CUDA_RESERVE_BYTES       # planned inside the budget
+    assert setup.resolve_budget("auto", cuda) == int(78.5 * gib) - setup.CUDA_RESERVE_BYTES
+    with pytest.raises(UserError, match=r"80\.00 GiB exceeds this GPU's total: the largest that works here is 78\.50 GiB"):
+        setup.resolve_budget("80G", cuda)
+    with pytest.raises(UserError, match="what is free"):
+        setup.resolve_budget("79G", cuda)
+    with pytest.raises(UserError, match="leaves nothing"):
+        setup.resolve_budget("1G", cuda)

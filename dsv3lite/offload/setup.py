@@ -22,19 +22,21 @@ HOST_RESERVE_BYTES = 4 * 2**30          # host RAM left to the OS and everything
 
 
 def resolve_budget(gpu_mem, device: torch.device) -> int:
-    """--gpu-mem as bytes. On CUDA 'auto' (or None) is free memory minus a reserve; more than the card has
-    is an error. On CPU the budget sizes the simulated device tier and must be given."""
+    """--gpu-mem as the bytes the planner may fill. On CUDA the budget is what the process may hold on the card:
+    CUDA_RESERVE_BYTES of it stay for the CUDA context, library workspaces and allocator slack, and it must fit
+    in the card's free memory ('auto' or None: all of it). On CPU the budget sizes the simulated device tier and
+    must be given."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        if gpu_mem is None or gpu_mem == "auto":
-            return max(free - CUDA_RESERVE_BYTES, 0)
-        budget = parse_size(gpu_mem)
-        if budget > total:
-            raise UserError(f"--gpu-mem {format_bytes(budget)} exceeds this GPU's {format_bytes(total)}")
+        budget = free if gpu_mem is None or gpu_mem == "auto" else parse_size(gpu_mem)
         if budget > free:
-            raise UserError(f"--gpu-mem {format_bytes(budget)} exceeds the {format_bytes(free)} free on this GPU "
-                            f"(other processes hold the rest)")
-        return budget
+            where = "this GPU's total" if budget > total else "what is free on this GPU (other processes hold the rest)"
+            raise UserError(f"--gpu-mem {format_bytes(budget)} exceeds {where}: the largest that works here is "
+                            f"{format_bytes(free)} (or use --gpu-mem auto)")
+        if budget <= CUDA_RESERVE_BYTES:
+            raise UserError(f"--gpu-mem {format_bytes(budget)} leaves nothing once {format_bytes(CUDA_RESERVE_BYTES)} "
+                            f"are kept for the CUDA context and library workspaces")
+        return budget - CUDA_RESERVE_BYTES
     if gpu_mem is None or gpu_mem == "auto":
         raise UserError("--gpu-mem auto needs a CUDA GPU; on CPU give a size to simulate a device tier")
     return parse_size(gpu_mem)
