@@ -132,7 +132,8 @@ class DecayedLFU(Policy):
         self.mass: dict[Key, float] = {}      # key -> log(sum of exp(rate * t_use)); absent: never used
         self.layer = 0                        # layer of the latest use
         self.n_layers = 1
-        self._bias_rows: dict[tuple[int, int, int], tuple[float, ...]] = {}
+        self._rows_shape = (0, 0)            # (n_layers, n_groups) the rows below were built for
+        self._rows: list[tuple[float, ...]] = []   # per latest layer: the group biases
 
     def touch(self, key, now):
         layer = self.layer = key[0]
@@ -152,15 +153,12 @@ class DecayedLFU(Policy):
     group = itemgetter(0)       # the layer (a C callable: the slot table asks on every use)
 
     def biases(self, n_groups):
-        row = self._bias_rows.get((self.layer, self.n_layers, n_groups))
-        if row is None:
-            n = self.n_layers
-            row = tuple(-math.log(1.0 + self.layer_discount * ((g - self.layer - 1) % n) / n)
-                        for g in range(n_groups))
-            if len(self._bias_rows) > 4096:
-                self._bias_rows.clear()
-            self._bias_rows[(self.layer, self.n_layers, n_groups)] = row
-        return row
+        n = self.n_layers
+        if self._rows_shape != (n, n_groups):
+            self._rows_shape = (n, n_groups)
+            self._rows = [tuple(-math.log(1.0 + self.layer_discount * ((g - latest - 1) % n) / n)
+                                for g in range(n_groups)) for latest in range(n)]
+        return self._rows[self.layer]
 
 
 POLICIES = {"decayed-lfu": DecayedLFU, "lru": LRU, "lfu": LFU}

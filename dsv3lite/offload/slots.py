@@ -4,16 +4,19 @@ use marks, and the choice of a victim through the eviction policy.
 Shared by the runtime's `ExpertCache` (which adds the pool, the copies and their events) and by the trace
 simulator, so the two make the same choices. Every operation is O(1) or O(log n) in the pool size: resident
 keys are indexed by the policy's order in one lazy min-heap per policy group (a layer for decayed-LFU), and a
-victim is the best of the groups' tops, kept in a second heap of groups ranked with the policy's group biases
-(re-ranked, O(groups), only when the biases change: once per layer for decayed-LFU). Pinned and in-flight
-keys are skipped lazily, set aside until they become evictable again. Stale heap entries are dropped when
-they surface and a heap is rebuilt when stale entries outnumber live ones.
+victim is the best of the groups' tops, kept in a second heap of groups ranked by order + the policy's group
+bias. Biases move as decode walks the layers (decayed-LFU: every layer, up for most groups): an entry whose
+bias rose since it was scored is a lower bound, rescored only when it reaches the top; entries whose bias
+fell are rescored at once (in decode, one group per layer). Pinned and in-flight keys are skipped lazily, set
+aside until they become evictable again. Stale heap entries are dropped when they surface and a heap is
+rebuilt when stale entries outnumber live ones.
 """
 from __future__ import annotations
 
-import heapq
 import math
-from operator import add
+from heapq import heapify, heappop, heappush, heapreplace
+from itertools import compress
+from operator import add, lt
 
 from .policy import Key, Policy
 
@@ -50,8 +53,9 @@ class SlotTable:
         self._top_key: list[Key | None] = []           # per group: that key
         self._entry: list[tuple | None] = []           # per group: (score, order, key, group) as ranked
         self._ranked: list[tuple] = []                 # heap of the groups' entries, stale ones included
+        self._scored: list[float] = []                 # per group: the bias its entry was scored with
         self._dirty: set[int] = set()                  # groups whose best key must be recomputed
-        self._biases: tuple[float, ...] = ()           # the policy's group biases the entries were built with
+        self._biases: tuple[float, ...] = ()           # the policy's group biases at the last victim()
 
     # --- queries -------------------------------------------------------------------------------------
     def lookup(self, key: Key) -> int | None:
@@ -146,30 +150,46 @@ class SlotTable:
                 self._dirty.clear()
             return self._top_key[0]
         biases = self.policy.biases(n)
-        if biases is not self._biases:                 # new biases: re-rank every group
-            self._biases = biases
+        if biases is not self._biases:
             for g in self._dirty:
                 self._recompute_top(g)
+            if len(self._scored) != n:                 # new groups: rank every group afresh
+                self._scored = list(biases)
+                self._entry = list(zip(map(add, self._top_order, biases), self._top_order, self._top_key, range(n)))
+                self._ranked = self._entry.copy()
+                heapify(self._ranked)
+            else:                                      # groups whose bias fell: their entries are too high
+                for g in self._dirty.union(compress(range(n), map(lt, biases, self._scored))):
+                    self._rescore(g, biases[g])
             self._dirty.clear()
-            self._entry = list(zip(map(add, self._top_order, biases), self._top_order, self._top_key, range(n)))
-            self._ranked = self._entry.copy()
-            heapq.heapify(self._ranked)
+            self._biases = biases
         elif self._dirty:
             for g in self._dirty:
                 if self._recompute_top(g):
-                    o = self._top_order[g]
-                    entry = self._entry[g] = (o + biases[g], o, self._top_key[g], g)
-                    heapq.heappush(self._ranked, entry)
+                    self._rescore(g, biases[g])
             self._dirty.clear()
-            if len(self._ranked) > 4 * n + 16:
-                self._ranked = self._entry.copy()
-                heapq.heapify(self._ranked)
-        ranked, current = self._ranked, self._entry
+        if len(self._ranked) > 4 * n + 16:
+            self._ranked = self._entry.copy()
+            heapify(self._ranked)
+        ranked, current, scored = self._ranked, self._entry, self._scored
         while True:                                    # every group's current entry is on the heap
             best = ranked[0]
-            if current[best[3]] is best:
+            g = best[3]
+            if current[g] is not best:
+                heappop(ranked)                        # stale: that group's top changed since
+            elif scored[g] != biases[g]:               # a lower bound (its bias rose since): score it now
+                o = best[1]
+                scored[g] = biases[g]
+                current[g] = (o + biases[g], o, best[2], g)
+                heapreplace(ranked, current[g])
+            else:
                 return best[2]                         # None: no group has an evictable key
-            heapq.heappop(ranked)                     # stale: that group's top changed since
+
+    def _rescore(self, g: int, bias: float) -> None:
+        o = self._top_order[g]
+        entry = self._entry[g] = (o + bias, o, self._top_key[g], g)
+        self._scored[g] = bias
+        heappush(self._ranked, entry)
 
     def allocate(self, key: Key, kind: str, in_flight: bool = False) -> int | None:
         """A slot for `key`: a free one, else the victim's (evicted here); None when every resident key is
@@ -252,15 +272,16 @@ class SlotTable:
                 self._dirty_if_better(g, order, key)
 
     def _dirty_if_better(self, g: int, order: float, key: Key) -> None:
-        if (order, key) < (self._top_order[g], self._top_key[g]):
+        top = self._top_order[g]                       # inf when the group has no evictable key
+        if order < top or (order == top and key < self._top_key[g]):
             self._dirty.add(g)
 
     @staticmethod
     def _push(grp: _Group, order: float, key: Key) -> None:
-        heapq.heappush(grp.heap, (order, key))
+        heappush(grp.heap, (order, key))
         if len(grp.heap) > 2 * len(grp.order) + 32:          # mostly stale: rebuild from the live orders
             grp.heap = [(o, k) for k, o in grp.order.items() if k not in grp.blocked]
-            heapq.heapify(grp.heap)
+            heapify(grp.heap)
 
     def _block(self, key: Key) -> None:
         """`key` just became unevictable: only its group's cached top can be affected."""
@@ -278,25 +299,24 @@ class SlotTable:
             if key in grp.blocked:
                 grp.blocked.discard(key)
                 self._push(grp, order, key)
-            if (order, key) < (self._top_order[g], self._top_key[g]):
-                self._dirty.add(g)
+            self._dirty_if_better(g, order, key)
 
     def _recompute_top(self, g: int) -> bool:
         """Find group g's best evictable key; True when it changed."""
         grp = self._groups[g]
-        heap, indexed, pins, in_flight, policy = grp.heap, grp.order, self.pins, self.in_flight, self.policy
+        heap, indexed, pins, in_flight, order = grp.heap, grp.order, self.pins, self.in_flight, self.policy.order
         while heap:
             o, k = heap[0]
             if indexed.get(k) != o:
-                heapq.heappop(heap)                     # stale: evicted or re-indexed since
-            elif k in pins or k in in_flight:
-                heapq.heappop(heap)
+                heappop(heap)                           # stale: evicted or re-indexed since
+            elif k in pins or (in_flight and k in in_flight):
+                heappop(heap)
                 grp.blocked.add(k)                      # back on the heap when it becomes evictable
             else:
-                current = policy.order(k)
+                current = order(k)
                 if current != o:                        # used since it was indexed: re-index it now
                     indexed[k] = current
-                    heapq.heapreplace(heap, (current, k))
+                    heapreplace(heap, (current, k))
                     continue
                 if o == self._top_order[g] and k == self._top_key[g]:
                     return False
