@@ -1,0 +1,602 @@
+// CPU kernels for packed weights (AVX2 + FMA + F16C): routed-expert SwiGLU over expert blobs and the quantized
+// dense linear. Built at first use by kernels/cpu_build.py; the pure-PyTorch twins in kernels/cpu_experts.py and
+// kernels/cpu_linear.py define the same math. Weights are decoded in registers and never written out:
+//   bf16  w = bits << 16                         x in fp32 (even/odd 8-lane halves of each 16-chunk)
+//   fp8   e4m3 -> fp32 bits by shifts (= w * 2^-120) against x * 2^100; each 128-block's partial dot times s
+//   int4  nibbles (q) against x quantized to int8 per group: s * xs * (sum q*xq - z * sum xq)
+//   int8  signed bytes against x quantized to int8 per group: s * xs * sum q*xq
+// One row's dot for up to 4 tokens runs the same operations in the same order for each token, so a token's
+// result does not depend on how many tokens share the call. Compiled with -ffp-contract=off: the only fused
+// multiply-adds are the written ones.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum Fmt : int64_t { BF16 = 0, FP8 = 1, INT4 = 2, INT8 = 3 };
+constexpr int MAX_TOK = 4;       // tokens per row pass
+constexpr int FP8_BLOCK = 128;
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096      // weights are read this far ahead of use (measured: 1 thread, int4, 4.2 -> 3.2 ms)
+#endif
+
+// weight bytes stream from memory: ask for the line PREFETCH_BYTES ahead (rows are contiguous, so across rows too)
+inline void prefetch(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0);
+}
+
+// ---- activations, prepared once per (token, matrix input) --------------------------------------------------
+// float formats: K floats (bf16: each full 16-chunk as its 8 even then 8 odd elements; fp8: each full 32-chunk as
+//   elements 0, 4, .., 28, then 1, 5, .., 29, then 2, .. and 3, .., times 2^e, with 2^(120 - e) after them)
+// int8-quantized (int4, int8 weights): xq int8 [Kp] (int4: each 64-chunk as the 32 elements of the low nibbles
+//   then the 32 of the high nibbles), xs float [G] (group scale), c float [G] (xs * sum of the group's xq),
+//   and for int8 weights |xq| uint8 [Kp].
+struct Act {
+  float unscale = 1.f;            // fp8: 2^(120 - e), the activation was stored times 2^e
+  const float* f = nullptr;
+  const int8_t* q = nullptr;
+  const uint8_t* aq = nullptr;
+  const float* xs = nullptr;
+  const float* c = nullptr;
+};
+
+// bytes of one prepared activation of length k
+struct ActSize {
+  int64_t fmt, k, kp, groups, group;
+  int64_t bytes() const {
+    if (fmt == BF16 || fmt == FP8) return ((k * 4 + 4 + 63) / 64) * 64;
+    int64_t b = ((kp + 63) / 64) * 64 + ((groups * 8 + 63) / 64) * 64;
+    if (fmt == INT8) b += ((kp + 63) / 64) * 64;
+    return b;
+  }
+};
+
+inline ActSize act_size(int64_t fmt, int64_t k, int64_t group) {
+  ActSize s{fmt, k, k, 0, group};
+  if (fmt == INT4 || fmt == INT8) {
+    s.kp = (k + group - 1) / group * group;
+    s.groups = s.kp / group;
+  }
+  return s;
+}
+
+inline Act act_view(uint8_t* base, const ActSize& s) {
+  Act a;
+  if (s.fmt == BF16 || s.fmt == FP8) {
+    a.f = reinterpret_cast<const float*>(base);
+    if (s.fmt == FP8) a.unscale = a.f[s.k];
+    return a;
+  }
+  int64_t qb = ((s.kp + 63) / 64) * 64;
+  a.q = reinterpret_cast<const int8_t*>(base);
+  float* xs = reinterpret_cast<float*>(base + qb);
+  a.xs = xs;
+  a.c = xs + s.groups;
+  if (s.fmt == INT8) a.aq = base + qb + ((s.groups * 8 + 63) / 64) * 64;
+  return a;
+}
+
+// position in the kernel order of element j (int4, within 64-chunks: low-nibble elements then high-nibble ones)
+inline int64_t int4_pos(int64_t j, int64_t g) {
+  int64_t grp = j / g, in = j % g, half = g / 2;
+  int64_t byte = in % half, hi = in / half;            // element j lives in byte `byte` of its group
+  int64_t b = grp * half + byte;                       // byte index in the row
+  int64_t chunk = b / 32, lane = b % 32;
+  return chunk * 64 + hi * 32 + lane;
+}
+
+constexpr int FP8_X_EXP = 100;   // activations times 2^100 against weights times 2^-120, unless that overflows
+
+void prepare(const float* x, const ActSize& s, uint8_t* base) {
+  if (s.fmt == FP8) {
+    float* f = reinterpret_cast<float*>(base);
+    float amax = 0.f;
+    for (int64_t j = 0; j < s.k; ++j) amax = std::max(amax, std::fabs(x[j]));
+    int e = FP8_X_EXP;
+    if (amax > 0.f) e = std::min(e, 126 - std::ilogb(amax));      // |x| * 2^e < 2^127: finite
+    const float up = std::ldexp(1.0f, e);
+    int64_t full = s.k / 32 * 32;
+    for (int64_t c = 0; c < full; c += 32)
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 8; ++i) f[c + 8 * j + i] = x[c + 4 * i + j] * up;
+    for (int64_t j = full; j < s.k; ++j) f[j] = x[j] * up;
+    f[s.k] = std::ldexp(1.0f, 120 - e);
+    return;
+  }
+  if (s.fmt == BF16) {
+    float* f = reinterpret_cast<float*>(base);
+    int64_t full = s.k / 16 * 16;
+    for (int64_t c = 0; c < full; c += 16)
+      for (int i = 0; i < 8; ++i) {
+        f[c + i] = x[c + 2 * i];
+        f[c + 8 + i] = x[c + 2 * i + 1];
+      }
+    for (int64_t j = full; j < s.k; ++j) f[j] = x[j];
+    return;
+  }
+  int64_t qb = ((s.kp + 63) / 64) * 64;
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  float* xs = reinterpret_cast<float*>(base + qb);
+  float* c = xs + s.groups;
+  uint8_t* aq = s.fmt == INT8 ? base + qb + ((s.groups * 8 + 63) / 64) * 64 : nullptr;
+  std::memset(q, 0, qb);
+  for (int64_t g = 0; g < s.groups; ++g) {
+    int64_t j0 = g * s.group, j1 = std::min(j0 + s.group, s.k);
+    float amax = 0.f;
+    for (int64_t j = j0; j < j1; ++j) amax = std::max(amax, std::fabs(x[j]));
+    float inv = amax > 0.f ? 127.0f / amax : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = j0; j < j1; ++j) {
+      float v = std::nearbyint(x[j] * inv);
+      int8_t qi = static_cast<int8_t>(v);
+      sum += qi;
+      q[s.fmt == INT4 ? int4_pos(j, s.group) : j] = qi;
+    }
+    xs[g] = amax / 127.0f;
+    c[g] = xs[g] * static_cast<float>(sum);
+  }
+  if (aq)
+    for (int64_t j = 0; j < s.kp; ++j) aq[j] = static_cast<uint8_t>(std::abs(static_cast<int>(q[j])));
+}
+
+// ---- horizontal sums ---------------------------------------------------------------------------------------
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---- one weight row against nt prepared activations ------------------------------------------------------
+// Each returns out[t] = dot(row, x_t) for t < nt.
+
+template <int NT>
+void row_bf16(const uint16_t* w, int64_t k, const Act* a, float* out) {
+  __m256 acc0[NT], acc1[NT];
+  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  int64_t full = k / 16 * 16;
+  for (int64_t c = 0; c < full; c += 16) {
+    if (!(c & 31)) prefetch(w + c);
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
+    __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+    for (int t = 0; t < NT; ++t) {
+      acc0[t] = _mm256_fmadd_ps(we, _mm256_loadu_ps(a[t].f + c), acc0[t]);
+      acc1[t] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(a[t].f + c + 8), acc1[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    float s = hsum(_mm256_add_ps(acc0[t], acc1[t]));
+    for (int64_t j = full; j < k; ++j) s += bf16_to_f32(w[j]) * a[t].f[j];
+    out[t] = s;
+  }
+}
+
+// e4m3 in fp32 bits, without F16C: sign to bit 31, the 7 exponent and mantissa bits to bits 26..20, so the float
+// is the e4m3 value times 2^-120 exactly (e4m3 subnormals become fp32 subnormals). Activations carry 2^FP8_X_EXP
+// (prepare), so products stay normal; 2^(120 - FP8_X_EXP) goes back into the block scale.
+inline float fp8_bits_f32(uint8_t b) {
+  uint32_t u = (static_cast<uint32_t>(b & 0x7F) << 20) | (static_cast<uint32_t>(b & 0x80) << 24);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// 32 e4m3 bytes -> four fp32 vectors: lane i of vector j holds element 4i + j (x is permuted to match)
+inline void fp8x32(const uint8_t* p, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
+  w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 4), mask));
+  w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 4), mask));
+  w2 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 4), mask));
+  w3 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(v, 4), mask));
+}
+
+template <int NT>
+void row_fp8(const uint8_t* w, const float* srow, int64_t k, const Act* a, float* out) {
+  // srow: the block scales of this row's 128-row band, one per 128 columns
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  int64_t full = k / 32 * 32;
+  for (int64_t b0 = 0; b0 < full; b0 += FP8_BLOCK) {
+    int64_t b1 = std::min<int64_t>(b0 + FP8_BLOCK, full);
+    __m256 blk0[NT], blk1[NT];
+    for (int t = 0; t < NT; ++t) blk0[t] = blk1[t] = _mm256_setzero_ps();
+    for (int64_t c = b0; c < b1; c += 32) {
+      if (!(c & 63)) prefetch(w + c);
+      __m256 w0, w1, w2, w3;
+      fp8x32(w + c, w0, w1, w2, w3);
+      for (int t = 0; t < NT; ++t) {
+        const float* x = a[t].f + c;
+        blk0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), blk0[t]);
+        blk1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), blk1[t]);
+        blk0[t] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), blk0[t]);
+        blk1[t] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), blk1[t]);
+      }
+    }
+    __m256 s = _mm256_set1_ps(srow[b0 / FP8_BLOCK]);
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(_mm256_add_ps(blk0[t], blk1[t]), s, acc[t]);
+  }
+  for (int t = 0; t < NT; ++t) {
+    float r = hsum(acc[t]);
+    if (full < k) {
+      float tail = 0.f;
+      for (int64_t j = full; j < k; ++j) tail += fp8_bits_f32(w[j]) * a[t].f[j];
+      // the tail's block: columns full..k-1 share one block with [full/128*128, ...)
+      r += tail * srow[full / FP8_BLOCK];
+    }
+    out[t] = r * a[t].unscale;
+  }
+}
+
+// int4: qw [Kp/2] bytes, scales/zeros fp16 [G]; sf/szf: this row's scales and scale*zero as fp32 (caller)
+template <int NT, int G>
+void row_int4(const uint8_t* qw, const float* sf, const float* szf, int64_t groups, const Act* a, float* out) {
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (G == 128) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = qw + g * 64;
+      prefetch(p);
+      __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+      __m256i l0 = _mm256_and_si256(v0, m4), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+      __m256i l1 = _mm256_and_si256(v1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+      __m256 sv = _mm256_set1_ps(sf[g]);
+      for (int t = 0; t < NT; ++t) {
+        const __m256i* x = reinterpret_cast<const __m256i*>(a[t].q + g * 128);
+        __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_loadu_si256(x)),
+                                     _mm256_maddubs_epi16(h0, _mm256_loadu_si256(x + 1)));
+        d = _mm256_add_epi16(d, _mm256_add_epi16(_mm256_maddubs_epi16(l1, _mm256_loadu_si256(x + 2)),
+                                                 _mm256_maddubs_epi16(h1, _mm256_loadu_si256(x + 3))));
+        __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones));
+        acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(sv, _mm256_set1_ps(a[t].xs[g])), acc[t]);
+      }
+    }
+  } else {  // G == 64: one group per 32-byte load; G == 32: two (s32 lanes 0-3 the first, 4-7 the second)
+    constexpr int per = G == 64 ? 1 : 2;
+    auto pair = [](const float* v, int64_t g) {
+      return per == 1 ? _mm256_set1_ps(v[g]) : _mm256_set_m128(_mm_set1_ps(v[g + 1]), _mm_set1_ps(v[g]));
+    };
+    for (int64_t g = 0; g < groups; g += per) {
+      const uint8_t* p = qw + g * G / 2;
+      if (!((g * G / 2) & 63)) prefetch(p);
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      __m256i l = _mm256_and_si256(v, m4), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      __m256 sv = pair(sf, g);
+      for (int t = 0; t < NT; ++t) {
+        const __m256i* x = reinterpret_cast<const __m256i*>(a[t].q + g * G);
+        __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(l, _mm256_loadu_si256(x)),
+                                     _mm256_maddubs_epi16(h, _mm256_loadu_si256(x + 1)));
+        __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones));
+        acc[t] = _mm256_fmadd_ps(f, _mm256_mul_ps(sv, pair(a[t].xs, g)), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    // zero-point term: sum_g s_g z_g c_g (c_g = xs_g * sum of the group's xq)
+    __m256 zacc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+      zacc = _mm256_fmadd_ps(_mm256_loadu_ps(szf + g), _mm256_loadu_ps(a[t].c + g), zacc);
+    float z = hsum(zacc);
+    for (; g < groups; ++g) z += szf[g] * a[t].c[g];
+    out[t] = hsum(acc[t]) - z;
+  }
+}
+
+// int8: q [Kp] signed bytes, scales fp32 [G] (group 128)
+template <int NT>
+void row_int8(const int8_t* qw, const float* sf, int64_t groups, const Act* a, float* out) {
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    prefetch(qw + g * 128);
+    prefetch(qw + g * 128 + 64);
+    __m256i w[4];
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * 128 + 32 * i));
+    __m256 sv = _mm256_set1_ps(sf[g]);
+    for (int t = 0; t < NT; ++t) {
+      const __m256i* xq = reinterpret_cast<const __m256i*>(a[t].q + g * 128);
+      const __m256i* ax = reinterpret_cast<const __m256i*>(a[t].aq + g * 128);
+      __m256i d = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        __m256i sw = _mm256_sign_epi8(w[i], _mm256_loadu_si256(xq + i));      // w * sign(x)
+        d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256(ax + i), sw), ones));
+      }
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sv, _mm256_set1_ps(a[t].xs[g])), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
+}
+
+// ---- a weight matrix (one expert matrix, or a dense linear) ----------------------------------------------
+struct Mat {
+  int64_t fmt = BF16, n = 0, k = 0, group = 0;
+  const uint8_t* w = nullptr;     // weight bytes [n, row_bytes]
+  const uint8_t* s = nullptr;     // scales: fp8 float32 [ceil(n/128), ceil(k/128)]; int4 fp16 [n, G]; int8 fp32 [n, G]
+  const uint8_t* z = nullptr;     // int4 zeros fp16 [n, G]
+  int64_t groups() const { return (fmt == INT4 || fmt == INT8) ? (k + group - 1) / group : 0; }
+  int64_t row_bytes() const {
+    switch (fmt) {
+      case BF16: return k * 2;
+      case FP8: return k;
+      case INT4: return groups() * group / 2;
+      default: return groups() * group;
+    }
+  }
+};
+
+// rows [r0, r1) of m against nt (<= MAX_TOK) activations; out[t * ostride + (r - r0)]
+template <int NT>
+void rows_nt(const Mat& m, int64_t r0, int64_t r1, const Act* a, float* out, int64_t ostride) {
+  const int64_t G = m.groups();
+  float sf[1024], szf[1024];         // one row's group scales (and scale * zero) as fp32; G <= 1024 (MAX_GROUPS)
+  float res[MAX_TOK];
+  const int64_t fp8_cols = (m.k + FP8_BLOCK - 1) / FP8_BLOCK;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = m.w + r * m.row_bytes();
+    switch (m.fmt) {
+      case BF16:
+        row_bf16<NT>(reinterpret_cast<const uint16_t*>(wr), m.k, a, res);
+        break;
+      case FP8:
+        row_fp8<NT>(wr, reinterpret_cast<const float*>(m.s) + (r / FP8_BLOCK) * fp8_cols, m.k, a, res);
+        break;
+      case INT4: {
+        const uint16_t* s16 = reinterpret_cast<const uint16_t*>(m.s) + r * G;
+        const uint16_t* z16 = reinterpret_cast<const uint16_t*>(m.z) + r * G;
+        int64_t g = 0;
+        for (; g + 8 <= G; g += 8) {
+          __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + g)));
+          __m256 z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z16 + g)));
+          _mm256_storeu_ps(sf + g, s);
+          _mm256_storeu_ps(szf + g, _mm256_mul_ps(s, z));
+        }
+        for (; g < G; ++g) {
+          sf[g] = _cvtsh_ss(s16[g]);
+          szf[g] = sf[g] * _cvtsh_ss(z16[g]);
+        }
+        if (m.group == 128) row_int4<NT, 128>(wr, sf, szf, G, a, res);
+        else if (m.group == 64) row_int4<NT, 64>(wr, sf, szf, G, a, res);
+        else row_int4<NT, 32>(wr, sf, szf, G, a, res);
+        break;
+      }
+      default:
+        row_int8<NT>(reinterpret_cast<const int8_t*>(wr), reinterpret_cast<const float*>(m.s) + r * G, G, a, res);
+    }
+    for (int t = 0; t < NT; ++t) out[t * ostride + (r - r0)] = res[t];
+  }
+}
+
+void rows(const Mat& m, int64_t r0, int64_t r1, const Act* a, int nt, float* out, int64_t ostride) {
+  switch (nt) {
+    case 1: rows_nt<1>(m, r0, r1, a, out, ostride); break;
+    case 2: rows_nt<2>(m, r0, r1, a, out, ostride); break;
+    case 3: rows_nt<3>(m, r0, r1, a, out, ostride); break;
+    default: rows_nt<4>(m, r0, r1, a, out, ostride); break;
+  }
+}
+
+// ---- work distribution: threads take items from a shared counter ----------------------------------------
+// OpenMP resolves to the runtime torch already loaded (same soname), so torch.set_num_threads applies here too.
+template <class F>
+void parallel_items(int64_t n_items, int nthreads, F&& fn) {
+  const int nt = static_cast<int>(std::min<int64_t>(nthreads, n_items));
+  if (nt <= 1) {
+    for (int64_t i = 0; i < n_items; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(nt)
+  for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) fn(i);
+}
+
+int thread_count(int threads, int64_t bytes_of_work) {
+  int n = omp_get_max_threads();
+  if (threads > 0) n = std::min(n, threads);
+  if (bytes_of_work < (256 << 10)) n = 1;              // waking threads costs more than such work
+  return std::max(n, 1);
+}
+
+// per-calling-thread scratch that only grows (no allocation per call in steady state)
+uint8_t* scratch(std::vector<uint8_t>& buf, int64_t bytes) {
+  if (static_cast<int64_t>(buf.size()) < bytes) buf.resize(bytes + 4096);
+  return buf.data();
+}
+
+thread_local std::vector<uint8_t> tl_acts, tl_hidden, tl_pairs;
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// Expert descriptor (int64 [13]): format, group, inter (I), hidden (D), then for gate, up, down the byte
+// offsets inside a blob of weight, scale, zero (-1: absent).
+struct Desc {
+  int64_t fmt, group, inter, hidden;
+  int64_t off[3][3];
+};
+
+Desc read_desc(const int64_t* p) {
+  Desc r{p[0], p[1], p[2], p[3], {}};
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < 3; ++j) r.off[i][j] = p[4 + 3 * i + j];
+  return r;
+}
+
+Mat expert_mat(const Desc& d, const uint8_t* blob, int which) {
+  Mat m;
+  m.fmt = d.fmt;
+  m.group = d.fmt == FP8 ? FP8_BLOCK : d.group;
+  m.n = which == 2 ? d.hidden : d.inter;
+  m.k = which == 2 ? d.inter : d.hidden;
+  m.w = blob + d.off[which][0];
+  m.s = d.off[which][1] >= 0 ? blob + d.off[which][1] : nullptr;
+  m.z = d.off[which][2] >= 0 ? blob + d.off[which][2] : nullptr;
+  return m;
+}
+
+constexpr int MAX_GROUPS = 1024;
+
+}  // namespace
+
+extern "C" {
+
+int dsv3_cpu_abi() { return 1; }
+
+// Routed experts of one MoE layer for tokens x [T, D] fp32 with routing ids [T, K] int64 and weights [T, K] fp32.
+// ptrs [E]: address of expert e's blob (0: not computed here). Pairs (t, k) whose expert has a blob are grouped
+// by ascending expert id (then t * K + k). per_pair 0: out [T, D] = sum over those pairs, in ascending expert id,
+// of weights[t, k] * y (each product added to the running sum). per_pair 1: out [T * K, D] gets the unweighted y
+// at row t * K + k (other rows untouched). Returns 0, or -1 for an expert id out of range, -2 for too many groups.
+int dsv3_moe(const float* xp, int64_t T, const int64_t* idp, const float* wp, int64_t K, const int64_t* pp,
+             int64_t E, const int64_t* desc, float* op, int per_pair, int threads) {
+  const Desc d = read_desc(desc);
+  const int64_t D = d.hidden, I = d.inter;
+  // pairs grouped by expert (counting sort: ascending id, then ascending t * K + k)
+  uint8_t* pbuf = scratch(tl_pairs, (E + 1 + T * K + E) * 8);
+  int64_t* count = reinterpret_cast<int64_t*>(pbuf);                   // [E + 1] -> start offsets
+  int64_t* order = count + E + 1;                                      // [T * K] pair indices
+  int64_t* experts = order + T * K;                                    // [n_used] ascending ids
+  std::fill(count, count + E + 1, 0);
+  for (int64_t i = 0; i < T * K; ++i) {
+    int64_t e = idp[i];
+    if (e < 0 || e >= E) return -1;
+    if (pp[e]) count[e + 1]++;
+  }
+  int64_t n_used = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (count[e + 1]) experts[n_used++] = e;
+    count[e + 1] += count[e];
+  }
+  const int64_t P = count[E];
+  for (int64_t i = 0; i < T * K; ++i)          // stable placement; count[e] ends at the start of e + 1
+    if (pp[idp[i]]) order[count[idp[i]]++] = i;
+  for (int64_t e = E; e > 0; --e) count[e] = count[e - 1];
+  count[0] = 0;
+
+  if (!per_pair) std::memset(op, 0, T * D * sizeof(float));
+  if (P == 0) return 0;
+
+  const int64_t grp = d.fmt == FP8 ? FP8_BLOCK : d.group;
+  const ActSize xsz = act_size(d.fmt, D, grp), hsz = act_size(d.fmt, I, grp);
+  if (xsz.groups > MAX_GROUPS || hsz.groups > MAX_GROUPS) return -2;
+  // x prepared per token; h [P, I] fp32, then prepared per pair
+  uint8_t* abuf = scratch(tl_acts, T * xsz.bytes() + P * hsz.bytes());
+  float* hbuf = reinterpret_cast<float*>(scratch(tl_hidden, P * I * 4));
+  uint8_t* hprep = abuf + T * xsz.bytes();
+
+  const int64_t mat_bytes = expert_mat(d, reinterpret_cast<const uint8_t*>(pp[experts[0]]), 0).row_bytes() * I;
+  const int nthreads = thread_count(threads, mat_bytes * 3 * n_used);
+
+  parallel_items(T, T * D >= 65536 ? nthreads : 1,
+                 [&](int64_t t) { prepare(xp + t * D, xsz, abuf + t * xsz.bytes()); });
+
+  // phase 1: gate, up, silu * mul. Items: (expert, block of RB1 rows of I)
+  constexpr int64_t RB1 = 64;
+  const int64_t blocks1 = (I + RB1 - 1) / RB1;
+  parallel_items(n_used * blocks1, nthreads, [&](int64_t item) {
+    const int64_t j = item / blocks1, r0 = (item % blocks1) * RB1, r1 = std::min(r0 + RB1, I);
+    const int64_t e = experts[j];
+    const uint8_t* blob = reinterpret_cast<const uint8_t*>(pp[e]);
+    const Mat gate = expert_mat(d, blob, 0), up = expert_mat(d, blob, 1);
+    float g[MAX_TOK * RB1], u[MAX_TOK * RB1];
+    for (int64_t p0 = count[e]; p0 < count[e + 1]; p0 += MAX_TOK) {
+      const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, count[e + 1] - p0));
+      Act a[MAX_TOK];
+      for (int i = 0; i < nt; ++i) a[i] = act_view(abuf + (order[p0 + i] / K) * xsz.bytes(), xsz);
+      rows(gate, r0, r1, a, nt, g, RB1);
+      rows(up, r0, r1, a, nt, u, RB1);
+      for (int i = 0; i < nt; ++i)
+        for (int64_t r = r0; r < r1; ++r)
+          hbuf[(p0 + i) * I + r] = silu(g[i * RB1 + r - r0]) * u[i * RB1 + r - r0];
+    }
+  });
+  parallel_items(P, P * I >= 16384 ? nthreads : 1,
+                 [&](int64_t p) { prepare(hbuf + p * I, hsz, hprep + p * hsz.bytes()); });
+
+  // phase 2: down and the weighted sum. Items: blocks of RB2 rows of D; experts ascending inside each.
+  constexpr int64_t RB2 = 64;
+  const int64_t blocks2 = (D + RB2 - 1) / RB2;
+  parallel_items(blocks2, nthreads, [&](int64_t item) {
+    const int64_t r0 = item * RB2, r1 = std::min(r0 + RB2, D);
+    float y[MAX_TOK * RB2];
+    for (int64_t j = 0; j < n_used; ++j) {
+      const int64_t e = experts[j];
+      const Mat down = expert_mat(d, reinterpret_cast<const uint8_t*>(pp[e]), 2);
+      for (int64_t p0 = count[e]; p0 < count[e + 1]; p0 += MAX_TOK) {
+        const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, count[e + 1] - p0));
+        Act a[MAX_TOK];
+        for (int i = 0; i < nt; ++i) a[i] = act_view(hprep + (p0 + i) * hsz.bytes(), hsz);
+        rows(down, r0, r1, a, nt, y, RB2);
+        for (int i = 0; i < nt; ++i) {
+          const int64_t pair = order[p0 + i];
+          const float* yi = y + i * RB2;
+          if (per_pair) {
+            std::memcpy(op + pair * D + r0, yi, (r1 - r0) * sizeof(float));
+          } else {
+            float* o = op + (pair / K) * D;
+            const float w = wp[pair];
+            for (int64_t r = r0; r < r1; ++r) o[r] = o[r] + yi[r - r0] * w;
+          }
+        }
+      }
+    }
+  });
+  return 0;
+}
+
+// Dense linear: out [T, N] = x [T, K] @ W^T for one packed matrix: fmt, group; w the weight bytes, s the scales,
+// z the zeros (int4) or null. Returns 0, or -2 for too many groups.
+int dsv3_linear(const float* xp, int64_t T, int64_t k, int64_t fmt, int64_t group, int64_t n, const void* w,
+                const void* s, const void* z, float* op, int threads) {
+  Mat m;
+  m.fmt = fmt;
+  m.n = n;
+  m.k = k;
+  m.group = fmt == FP8 ? FP8_BLOCK : group;
+  m.w = static_cast<const uint8_t*>(w);
+  m.s = static_cast<const uint8_t*>(s);
+  m.z = static_cast<const uint8_t*>(z);
+  if (m.groups() > MAX_GROUPS) return -2;
+  const ActSize xsz = act_size(fmt, k, m.group);
+  uint8_t* abuf = scratch(tl_acts, T * xsz.bytes());
+  const int nthreads = thread_count(threads, m.row_bytes() * n * std::max<int64_t>(1, T / 4));
+  parallel_items(T, T * k >= 65536 ? nthreads : 1,
+                 [&](int64_t t) { prepare(xp + t * k, xsz, abuf + t * xsz.bytes()); });
+  constexpr int64_t RB = 32;
+  const int64_t tblocks = (T + MAX_TOK - 1) / MAX_TOK, rblocks = (n + RB - 1) / RB;
+  // rows outer, tokens inner: a block of weight rows stays in cache while the tokens pass over it
+  parallel_items(rblocks, nthreads, [&](int64_t item) {
+    const int64_t r0 = item * RB, r1 = std::min(r0 + RB, n);
+    float y[MAX_TOK * RB];
+    for (int64_t tb = 0; tb < tblocks; ++tb) {
+      const int64_t t0 = tb * MAX_TOK;
+      const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, T - t0));
+      Act a[MAX_TOK];
+      for (int i = 0; i < nt; ++i) a[i] = act_view(abuf + (t0 + i) * xsz.bytes(), xsz);
+      rows(m, r0, r1, a, nt, y, RB);
+      for (int i = 0; i < nt; ++i) std::memcpy(op + (t0 + i) * n + r0, y + i * RB, (r1 - r0) * sizeof(float));
+    }
+  });
+  return 0;
+}
+
+}  // extern "C"
