@@ -4,7 +4,9 @@
 `BlobExperts` holds every expert of one layer resident as [n_experts, blob_bytes] uint8 in one of the
 quant formats; the offloading runtime's provider reads the same blobs from its slot pool, so both give
 the same bits for the same expert. Where kernels run (CUDA), decode steps go through the fused MoE
-kernel with the blobs as the slot pool (slot e = expert e).
+kernel with the blobs as the slot pool (slot e = expert e). On CPU every call (decode, MTP verification, prefill)
+is one call of the compiled CPU kernel for all of the layer's selected experts (kernels/cpu_experts.py), where
+there is one; else each expert through its format's path.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from torch import nn
 
 from .config import ModelArgs
 from .errors import UserError
-from .kernels import dispatch
+from .kernels import cpu_experts, dispatch
 from .kernels.fused_moe import fused_moe
 from .limits import FUSED_MAX_TOKENS
 from .model import combine_experts
@@ -79,11 +81,21 @@ class BlobExperts(nn.Module):
         self.register_buffer("blobs", blobs, persistent=False)
         self.register_buffer("slot_table", torch.arange(blobs.shape[0], dtype=torch.int32, device=blobs.device),
                              persistent=False)
+        self._cpu_ptrs: tuple[int, torch.Tensor] | None = None   # (blobs.data_ptr(), blob addresses) for the CPU kernel
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.fmt.expert_forward(self.blobs[e], x, self.layout).to(x.dtype)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and cpu_experts.available(self.layout):
+            return self._cpu(x, ids, weights)
         if x.shape[0] <= FUSED_MAX_TOKENS and self.fmt.fused_kernel and dispatch.use_kernels(x.device):
             return fused_moe(x, ids, weights, self.slot_table, self.blobs, self.layout)
         return combine_experts(self.expert, x, ids, weights)
+
+    def _cpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """All selected experts in one kernel call (its work buffers persist between calls)."""
+        base = self.blobs.data_ptr()
+        if self._cpu_ptrs is None or self._cpu_ptrs[0] != base:
+            self._cpu_ptrs = (base, cpu_experts.blob_pointers(self.blobs, self.blobs.shape[0], self.layout))
+        return cpu_experts.cpu_experts_forward(x, ids, weights, self.blobs, self.layout, ptrs=self._cpu_ptrs[1])

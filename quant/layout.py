@@ -242,7 +242,15 @@ class ExpertFormat:
         return swiglu_ref(x, gate, up, down)
 
     def expert_forward(self, blob: torch.Tensor, x: torch.Tensor, layout: BlobLayout | None = None) -> torch.Tensor:
-        """The format's own fast path where it has one outside `kernels/` (nf4: bitsandbytes); else the ref."""
+        """The fastest path for this format: on CPU the compiled kernel from the packed blob where there is one
+        (kernels/cpu_experts.py, its own numerics), else the ref. Formats with a path of their own override this
+        (nf4: bitsandbytes)."""
+        if x.device.type == "cpu":
+            from ..kernels.cpu_experts import expert_forward_cpu
+
+            y = expert_forward_cpu(blob, x, self._resolve(blob, layout))
+            if y is not None:
+                return y
         return self.expert_forward_ref(blob, x, layout)
 
     def __repr__(self) -> str:
