@@ -38,9 +38,10 @@ def resident_experts(root: Path, args: ModelArgs, experts: str | None, device: t
 
 
 def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | None = None, mtp: bool = True,
-                 experts=None, cpu_mem=None, progress: bool = True, log=None, **options):
+                 experts=None, cpu_mem=None, progress: bool = True, log=None, dense=None, **options):
     """See dsv3lite.load. options: the OffloadOptions fields (lookahead, miss_policy, cache_policy) and the MTP
-    settings num_draft_tokens, mtp_adaptive."""
+    settings num_draft_tokens, mtp_adaptive. dense: pack the non-expert weights for the CPU kernels (dense.py)."""
+    from .dense import check_dense, pack_dense
     from .generate import Engine
     from .loader import Loader
     from .offload.options import OffloadOptions
@@ -55,6 +56,7 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     root = resolve_weights(weights)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    check_dense(dense, dev)
     args = ModelArgs.from_dir(root)
     if ctx_size is None:                       # the default: 4096, or less when the model is shorter
         ctx_size = min(DEFAULT_CTX_SIZE, args.max_position_embeddings)
@@ -75,9 +77,12 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     if gpu_mem is not None or dev.type == "cuda":
         from .offload.setup import build_offload
 
-        offload = build_offload(root, args, experts, gpu_mem, ctx_size, dev, dt, mtp, offload_options, log=log)
+        offload = build_offload(root, args, experts, gpu_mem, ctx_size, dev, dt, mtp, offload_options, log=log,
+                                dense=dense)
     provider = offload.provider if offload is not None else resident_experts(root, args, experts, dev, log)
     model = Loader(root, dev, dt, progress=progress, log=log).load(args, expert_provider=provider, mtp=mtp)
+    if dense is not None:
+        pack_dense(model, dense, log)
     if offload is not None:
         offload.attach(model)
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -92,3 +92,17 @@ def footprint(a: ModelArgs) -> Footprint:
     )
     fp.active = fp.total - routed + n_moe * a.num_experts_per_tok * expert_params(a)
     return fp
+
+
+# --- non-expert weights packed for the CPU (`--dense`, dsv3lite/dense.py) ------------------------------
+
+# bytes per weight, scales included: int8 and int4 carry 4 bytes of scale (and zero) per group of 128 along K,
+# fp8 one fp32 scale per 128x128 block
+DENSE_WEIGHT_BYTES = {"int8": 1 + 4 / 128, "int4": 0.5 + 4 / 128, "fp8": 1 + 4 / 128 ** 2, "bf16": 2.0}
+
+
+def unpacked_attention_params(a: ModelArgs) -> int:
+    """Per layer, the attention parameters `--dense` leaves in the compute dtype: wkv_b (the absorbed attention
+    reads it as a tensor), the latent norms and the layer's two norms."""
+    wkv_b = a.kv_lora_rank * a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim)
+    return wkv_b + a.kv_lora_rank + (a.q_lora_rank or 0) + 2 * a.hidden_size

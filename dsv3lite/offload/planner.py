@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..config import ModelArgs
 from ..errors import UserError
-from ..footprint import footprint, indexer_fp32_params
+from ..footprint import footprint, indexer_fp32_params, unpacked_attention_params
 from ..limits import PREFILL_CHUNK
 from ..model import INDEX_SCORE_ELEMENTS
 from ..utils import format_bytes
@@ -66,19 +66,28 @@ class OffloadPlan:
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
-def resident_components(a: ModelArgs, dense_bytes: int, mtp: bool) -> dict[str, int]:
+def resident_components(a: ModelArgs, dense_bytes: int, mtp: bool, weight_bytes: float | None = None) -> dict[str, int]:
+    """Bytes per resident component. weight_bytes: bytes per packed weight matrix entry (`--dense`); the embeddings,
+    norms and wkv_b stay at dense_bytes (the compute dtype)."""
     fp = footprint(a)
     comps = {
         "embeddings": fp.embed, "lm_head": fp.head, "attention + norms": fp.attention + fp.final_norm,
         "dense MLPs": fp.dense_mlp, "shared experts": fp.shared_experts,
     }
     out = {k: v * dense_bytes for k, v in comps.items()}
+    kept = 0
+    if weight_bytes is not None:
+        kept = unpacked_attention_params(a)
+        out = {k: round(v * (dense_bytes if k == "embeddings" else weight_bytes)) for k, v in comps.items()}
+        out["attention + norms"] += round(a.num_hidden_layers * kept * (dense_bytes - weight_bytes))
     out["routers (fp32)"] = fp.routers * 4
     # V3.2's indexer weights_proj stays fp32: its extra bytes over the compute dtype
     fp32_extra = indexer_fp32_params(a) * max(4 - dense_bytes, 0)
     out["attention + norms"] += a.num_hidden_layers * fp32_extra
     if mtp and fp.mtp_dense:
         out["MTP (non-expert)"] = fp.mtp_dense * dense_bytes + fp32_extra
+        if weight_bytes is not None:
+            out["MTP (non-expert)"] += round((fp.mtp_dense - kept) * (weight_bytes - dense_bytes))
     return out
 
 
@@ -96,12 +105,14 @@ def workspace_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
 
 
 def make_plan(a: ModelArgs, budget: int, ctx_size: int, slot_bytes: int, expert_format: str,
-              dense_bytes: int = 2, mtp: bool = True, kv_bytes: int | None = None) -> OffloadPlan:
-    """Place everything resident; the rest of `budget` becomes expert slots. Too small -> UserError."""
+              dense_bytes: int = 2, mtp: bool = True, kv_bytes: int | None = None,
+              weight_bytes: float | None = None) -> OffloadPlan:
+    """Place everything resident; the rest of `budget` becomes expert slots. Too small -> UserError.
+    weight_bytes: bytes per non-expert weight when they are packed (`--dense`), else dense_bytes."""
     mtp = mtp and a.num_nextn_predict_layers > 0
     n_blocks = a.num_hidden_layers + (1 if mtp else 0)
     kv = n_blocks * ctx_size * a.cache_dim * (kv_bytes or dense_bytes)
-    comps = resident_components(a, dense_bytes, mtp)
+    comps = resident_components(a, dense_bytes, mtp, weight_bytes)
     n_moe = len(a.moe_layer_ids) + (1 if mtp else 0)
     plan = OffloadPlan(budget=budget, components=comps, kv_cache=kv, workspace=workspace_bytes(a, ctx_size, dense_bytes),
                 slot_bytes=slot_bytes, n_slots=0, total_experts=n_moe * a.n_routed_experts,

@@ -12,6 +12,7 @@ import torch
 from ..config import ModelArgs
 from ..errors import UserError
 from ..experts import ExpertSource, expert_source
+from ..footprint import DENSE_WEIGHT_BYTES
 from ..hf_checkpoint import has_mtp, has_weights
 from ..utils import format_bytes, parse_size
 from .options import OffloadOptions
@@ -43,14 +44,15 @@ def resolve_budget(gpu_mem, device: torch.device) -> int:
 
 
 def plan_for(root: Path, args: ModelArgs, budget: int, ctx_size: int, experts: str | None, mtp: bool,
-             dtype: torch.dtype) -> tuple[OffloadPlan, ExpertSource, bool]:
-    """(plan, where the experts come from, whether the MTP layer runs) for a budget, without reading weights."""
+             dtype: torch.dtype, dense: str | None = None) -> tuple[OffloadPlan, ExpertSource, bool]:
+    """(plan, where the experts come from, whether the MTP layer runs) for a budget, without reading weights.
+    dense: the `--dense` dtype the non-expert weights are packed to (None: they stay in `dtype`)."""
     source = expert_source(root, args, experts, blobs_required=True)
     weights_here = has_weights(root)
     with_mtp = mtp and (has_mtp(root, args) if weights_here else args.num_nextn_predict_layers >= 1)
     dense_bytes = torch.empty((), dtype=dtype).element_size()
     plan = make_plan(args, budget, ctx_size, source.layout.blob_bytes, source.fmt.name, dense_bytes=dense_bytes,
-                     mtp=with_mtp)
+                     mtp=with_mtp, weight_bytes=DENSE_WEIGHT_BYTES[dense] if dense else None)
     if not weights_here:
         plan.notes.append(f"no weights in {root}: planned from config.json alone"
                           + (" (with the MTP layer the config declares)" if with_mtp else ""))
@@ -60,14 +62,15 @@ def plan_for(root: Path, args: ModelArgs, budget: int, ctx_size: int, experts: s
 
 
 def build_offload(root: Path, args: ModelArgs, experts: str | None, gpu_mem, ctx_size: int, device: torch.device,
-                  dtype: torch.dtype, mtp: bool, options: OffloadOptions = OffloadOptions(), log=print):
+                  dtype: torch.dtype, mtp: bool, options: OffloadOptions = OffloadOptions(), log=print,
+                  dense: str | None = None):
     """-> an OffloadRuntime, or None when every expert fits in the budget (then nothing is offloaded)."""
     from .cache import HostStore
     from .runtime import OffloadRuntime
 
     budget = resolve_budget(gpu_mem, device)
     log(f"--gpu-mem budget {format_bytes(budget)}" + ("" if device.type == "cuda" else " (simulated device tier on CPU)"))
-    plan, source, with_mtp = plan_for(root, args, budget, ctx_size, experts, mtp, dtype)
+    plan, source, with_mtp = plan_for(root, args, budget, ctx_size, experts, mtp, dtype, dense)
     log(plan.table())
     if plan.all_resident:
         log("every routed expert fits in the budget: nothing is offloaded")
