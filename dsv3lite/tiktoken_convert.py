@@ -110,9 +110,10 @@ def build_tokenizer_json(tiktoken_path: Path, config: dict, pattern: str = KIMI_
 
 
 def tokenizer_cache_dir() -> Path:
-    """Where converted tokenizers are kept: $DSV3LITE_CACHE/tokenizers (default ~/.cache/dsv3lite/tokenizers)."""
-    root = os.environ.get("DSV3LITE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dsv3lite")
-    return Path(root) / "tokenizers"
+    """Where converted tokenizers are kept: utils.cache_root()/tokenizers."""
+    from .utils import cache_root
+
+    return cache_root() / "tokenizers"
 
 
 def converted_tokenizer(checkpoint: Path, config: dict, log=None) -> Path:

@@ -102,3 +102,15 @@ def terminal_bar_fits() -> bool:
         return sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns > 0
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def cache_root():
+    """dsv3lite's per-user cache (compiled CPU kernels, converted tokenizers): $DSV3LITE_CACHE_DIR, else
+    $XDG_CACHE_HOME/dsv3lite, else ~/.cache/dsv3lite."""
+    import os
+    from pathlib import Path
+
+    root = os.environ.get("DSV3LITE_CACHE_DIR")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "dsv3lite"

@@ -41,7 +41,7 @@ def kimi_like(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSV3LITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DSV3LITE_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 

@@ -264,7 +264,7 @@ def test_missing_tokenizer_json(tmp_path):
 
 def test_tiktoken_only_directory_with_a_damaged_model(tmp_path, monkeypatch):
     # a tiktoken-only directory is converted (tests/test_tiktoken_tokenizer.py); a damaged model is one line
-    monkeypatch.setenv("DSV3LITE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DSV3LITE_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "tiktoken.model").write_text("aGVsbG8= 0\naGVsbG8= x\n")
     assert_user_error(lambda: Tokenizer.from_dir(tmp_path), str(tmp_path), "tiktoken.model")
 
