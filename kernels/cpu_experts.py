@@ -93,6 +93,17 @@ def cpu_experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     many (0: torch's intra-op setting). Returns x.dtype (fp32 when out is given).
     """
     t, k = ids.shape
+    if x.dtype != torch.float32 and not per_pair and out is None:
+        # 16-bit activations: each weighted output rounded to x.dtype and added in x.dtype, in ascending expert id,
+        # as model.combine_experts does (so every provider gives the same bits)
+        y = cpu_experts_forward(x, ids, weights, blobs, layout, ptrs=ptrs, per_pair=True, threads=threads)
+        order = ids.argsort(dim=1, stable=True)
+        rows = torch.arange(t)[:, None]
+        y, w = y[rows, order], weights[rows, order]                     # [T, K, D], [T, K] ascending ids
+        acc = torch.zeros_like(x)
+        for j in range(k):
+            acc = acc + (y[:, j] * w[:, j, None]).to(x.dtype)
+        return acc
     lib = cpu_build.library()
     if lib is None or not supports(layout):
         y = cpu_experts_ref(x, ids, weights, blobs, layout, per_pair=per_pair)

@@ -24,6 +24,15 @@ def interpreter_on_cpu():
 
 
 @pytest.fixture(autouse=True, scope="module")
+def formats_own_path_on_cpu():
+    # the Triton kernels' twin is the formats' dequantizing path; the compiled CPU expert kernel, which
+    # expert_forward and BlobExperts run on CPU otherwise, has numerics of its own (tests/test_cpu_experts.py)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSV3LITE_CPU_KERNELS", "ref")
+        yield
+
+
+@pytest.fixture(autouse=True, scope="module")
 def one_cpu_thread():
     # tensors here are tiny: torch's intra-op threads only add waiting, badly so on a busy machine
     threads = torch.get_num_threads()
