@@ -3,6 +3,7 @@ tails and padding, decode / few-token / prefill calls, expert subsets and per-pa
 the kernel forced off or unbuildable; and the demo's greedy tokens through it."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -224,3 +225,41 @@ def test_demo_quantized_experts_kernel_logits_near_the_format_path(experts, monk
         return torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).exp().item()
 
     assert ppl(got) == pytest.approx(ppl(ref), rel=0.01)
+
+
+def test_16bit_activations_round_like_combine_experts():
+    """bf16 x: each expert's weighted output is rounded to bf16 and added in bf16, in ascending id, as
+    model.combine_experts does over the per-expert path, so both give the same bits."""
+    compiled()
+    from dsv3lite.model import combine_experts
+
+    fmt, layout, pool = make_pool("int4", 128, 64, 256)
+    x = torch.randn(3, 256, generator=gen()).to(torch.bfloat16)
+    ids, w = routing(3, pool.shape[0], 3)
+    want = combine_experts(lambda e, xs: fmt.expert_forward(pool[e], xs, layout).to(xs.dtype), x, ids, w)
+    assert torch.equal(cpu_experts.cpu_experts_forward(x, ids, w, pool, layout), want)
+
+
+def test_realwidth_writer_at_small_widths(tmp_path):
+    """The real-width slice writer (here with small widths): shards with an index, FP8 blocks with their scales,
+    the MTP layer, deterministic tensors, a checkpoint the loader takes."""
+    from dsv3lite.quant.tensorfile import read_header
+    from dsv3lite.testing_realwidth import write_realwidth_checkpoint
+
+    small = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                 v_head_dim=32)
+    a = write_realwidth_checkpoint(tmp_path / "a", dtype="fp8", shards=3, mtp=True, widths=small)
+    b = write_realwidth_checkpoint(tmp_path / "b", dtype="bf16", widths=small)
+    index = json.loads((a / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) == 3
+    header = {}
+    for f in sorted(a.glob("model-*.safetensors")):
+        header.update(read_header(f))
+    assert set(header) == set(index)
+    assert header["model.layers.1.mlp.experts.3.down_proj.weight"]["dtype"] == "F8_E4M3"
+    assert "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv" in header
+    assert header["lm_head.weight"]["dtype"] == "BF16" and "model.layers.3.eh_proj.weight" in header
+    assert read_header(b / "model.safetensors")["model.layers.2.self_attn.o_proj.weight"]["dtype"] == "BF16"
+    llm = dsv3lite.load(str(a), device="cpu", **QUIET)
+    assert llm.model.mtp is not None and len(list(llm.generate("ROMEO:", max_tokens=4))) >= 1
