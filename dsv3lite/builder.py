@@ -81,11 +81,10 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
                                 dense=dense)
     provider = offload.provider if offload is not None else resident_experts(root, args, experts, dev, log)
     model = Loader(root, dev, dt, progress=progress, log=log).load(args, expert_provider=provider, mtp=mtp)
-    if dense is not None:
-        pack_dense(model, dense, log)
+    packed = pack_dense(model, dense, log) if dense is not None else 0
     if offload is not None:
         offload.attach(model)
-    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + packed
     log(f"loaded {root.name or root} in {time.perf_counter() - t0:.1f}s: {format_bytes(n_bytes)} on {dev} as "
         f"{str(dt).replace('torch.', '')}")
     return Engine(model, tokenizer, dev, dt, ctx_size=ctx_size, mtp=mtp, weights=str(root), log=log,

@@ -19,11 +19,10 @@ import torch
 from torch import nn
 
 from .errors import UserError
-from .footprint import DENSE_WEIGHT_BYTES
+from .footprint import DENSE_DTYPES
 from .kernels.cpu_linear import GROUP, linear_forward
 from .utils import format_bytes
 
-DENSE_DTYPES = tuple(DENSE_WEIGHT_BYTES)            # int8 | int4 | fp8 | bf16
 KEEP = ("wkv_b", "weights_proj")                    # nn.Linear attributes whose .weight the model reads itself
 
 

@@ -99,6 +99,7 @@ def footprint(a: ModelArgs) -> Footprint:
 # bytes per weight, scales included: int8 and int4 carry 4 bytes of scale (and zero) per group of 128 along K,
 # fp8 one fp32 scale per 128x128 block
 DENSE_WEIGHT_BYTES = {"int8": 1 + 4 / 128, "int4": 0.5 + 4 / 128, "fp8": 1 + 4 / 128 ** 2, "bf16": 2.0}
+DENSE_DTYPES = tuple(DENSE_WEIGHT_BYTES)      # the --dense vocabulary (`quantize --dense` stores bf16 or fp8 of it)
 
 
 def unpacked_attention_params(a: ModelArgs) -> int:
