@@ -15,6 +15,7 @@ import click
 from .errors import UserError
 from .offload.options import MISS_POLICIES, OffloadOptions
 from .offload.policy import POLICIES
+from .footprint import DENSE_DTYPES, DENSE_WEIGHT_BYTES
 from .quant.formats import FORMATS
 from .quant.int4 import GROUP_SIZES
 from .stats import summary
@@ -108,6 +109,9 @@ def engine_options(temp: float = 0.0, top_p: float = 1.0):
         click.option("--dtype", default=None, help="bfloat16 (CUDA default) | float32 (CPU default) | float16"),
         click.option("--experts", type=click.Choice(FORMATS), default=None,
                      help="Quantize an HF checkpoint's routed experts to this format at load."),
+        click.option("--dense", type=click.Choice(DENSE_DTYPES), default=None,
+                     help="CPU: pack the non-expert weights (attention, dense MLPs, shared experts, lm_head) to this "
+                          "dtype at load, computed by the CPU kernels."),
         click.option("--num-draft-tokens", type=click.IntRange(1, 3), default=1, show_default=True,
                      help="MTP draft tokens per step."),
         click.option("--lookahead", type=click.IntRange(0, 8), default=OFFLOAD_DEFAULTS.lookahead, show_default=True,
@@ -132,7 +136,7 @@ def _engine(o: dict):
 
     return dsv3lite.load(weights=o["weights"], device=o["device"], gpu_mem=o["gpu_mem"], dtype=o["dtype"],
                          ctx_size=o["ctx_size"], mtp=o["mtp"], experts=o["experts"], cpu_mem=o["cpu_mem"],
-                         log=log, num_draft_tokens=o["num_draft_tokens"], lookahead=o["lookahead"],
+                         dense=o["dense"], log=log, num_draft_tokens=o["num_draft_tokens"], lookahead=o["lookahead"],
                          miss_policy=o["miss_policy"], cache_policy=o["cache_policy"])
 
 
@@ -358,7 +362,9 @@ def _chat_loop(llm, o: dict, base: list[dict], history: list[dict]) -> None:
 @cli.command(short_help="Config, parameter counts, bytes per component.")
 @click.option("--weights", "-w", type=click.Path(), default=None, help="Checkpoint directory (default: demo model).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def info(weights, as_json):
+@click.option("--dense", type=click.Choice(DENSE_DTYPES), default=None,
+              help="Count the non-expert weights as a run with --dense packs them.")
+def info(weights, as_json, dense):
     """Config summary, parameter counts (total / active), bytes per component as stored, KV bytes per token."""
     from .builder import resolve_weights
     from .config import ModelArgs
@@ -380,6 +386,17 @@ def info(weights, as_json):
         sizes["MTP routed experts"] = (a.mtp_layer_id in m.moe_layers) * m.n_experts * blob
         expert_fmt = f"int4 (group {m.group_size})" if m.format == "int4" else m.format
         stored = f"{m.dense_dtype} dense weights, {expert_fmt} routed experts"
+    if dense is not None:                                 # as PackedLinear holds them (embeddings, routers kept)
+        from .footprint import unpacked_attention_params
+
+        per = DENSE_WEIGHT_BYTES[dense]
+        kept = unpacked_attention_params(a)
+        for k in ("lm_head", "dense MLPs", "shared experts"):
+            sizes[k] = round(comps[k] * per)
+        sizes["attention+norms"] = round((fp.attention - a.num_hidden_layers * kept) * per + a.num_hidden_layers * kept * 2)
+        if fp.mtp_dense:
+            sizes["MTP (non-expert)"] = round((fp.mtp_dense - kept) * per + kept * 2)
+        stored += f"; non-expert weights packed to {dense} (--dense)"
     if as_json:
         click.echo(json.dumps({"weights": str(root), "model_type": a.model_type, "total_params": fp.total,
                                "active_params": fp.active, "components": comps, "component_bytes": sizes,
@@ -399,7 +416,8 @@ def info(weights, as_json):
     for k, v in comps.items():
         if v:
             click.echo(f"    {k:<20} {format_count(v):>8} params  {format_bytes(sizes[k]):>12}")
-    click.echo(f"  latent KV cache: {a.latent_dim} values/token/layer = {format_bytes(a.kv_bytes_per_token)} per token "
+    values = f"{a.latent_dim} latent" + (f" + {a.index_dim} indexer-key" if a.index_dim else "")
+    click.echo(f"  KV cache: {values} values/token/layer = {format_bytes(a.kv_bytes_per_token)} per token "
                f"(bf16, {a.num_hidden_layers} layers)")
 
 
@@ -454,11 +472,14 @@ def convert_tokenizer(weights, force):
 @click.option("--dtype", default=None,
               help="Compute dtype of the resident weights.  [default: bfloat16 on CUDA, float32 on CPU, as a run]")
 @click.option("--mtp/--no-mtp", default=True, show_default=True)
-def plan(weights, gpu_mem, ctx_size, experts, device, dtype, mtp):
+@click.option("--dense", type=click.Choice(DENSE_DTYPES), default=None,
+              help="Non-expert weights packed to this dtype (CPU runs), as a run with --dense.")
+def plan(weights, gpu_mem, ctx_size, experts, device, dtype, mtp, dense):
     """Print what --gpu-mem buys (resident components, expert slots) from shapes alone, reading no weights: the
     plan `chat`/`generate`/`serve` make with the same flags."""
     from .builder import DEFAULT_CTX_SIZE, resolve_weights
     from .config import ModelArgs
+    from .dense import check_dense
     from .offload.setup import plan_for, resolve_budget
     from .utils import resolve_device, resolve_dtype
 
@@ -468,8 +489,10 @@ def plan(weights, gpu_mem, ctx_size, experts, device, dtype, mtp):
     args = ModelArgs.from_dir(root)
     ctx_size = min(ctx_size or DEFAULT_CTX_SIZE, args.max_position_embeddings)
     budget = resolve_budget(gpu_mem, dev)
-    p, *_ = plan_for(root, args, budget, ctx_size, experts, mtp, dt)
-    click.echo(f"plan for {root} on {dev.type} ({str(dt).replace('torch.', '')}) with --gpu-mem "
+    check_dense(dense, dev)
+    p, *_ = plan_for(root, args, budget, ctx_size, experts, mtp, dt, dense)
+    click.echo(f"plan for {root} on {dev.type} ({str(dt).replace('torch.', '')}"
+               f"{f', --dense {dense}' if dense else ''}) with --gpu-mem "
                f"{format_bytes(budget)}, --ctx-size {ctx_size}:")
     click.echo(p.table())
 

@@ -3,6 +3,8 @@ against its twin per dtype, the packing's reconstruction error, the demo with pa
 the option, and the planner's byte counts."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -110,3 +112,19 @@ def test_plan_counts_the_dense_dtype():
     assert packed["embeddings"] == full["embeddings"] and packed["routers (fp32)"] == full["routers (fp32)"]
     assert full["attention + norms"] / 8 < packed["attention + norms"] < full["attention + norms"] / 2
     assert plans["int4"].resident < plans[None].resident
+
+
+def test_cli_info_and_plan_count_the_dense_dtype():
+    from click.testing import CliRunner
+
+    from dsv3lite.cli import cli
+
+    runner = CliRunner()
+    full = json.loads(runner.invoke(cli, ["info", "--json"]).output)["component_bytes"]
+    packed = json.loads(runner.invoke(cli, ["info", "--json", "--dense", "int8"]).output)["component_bytes"]
+    assert packed["lm_head"] < full["lm_head"] / 1.9 and packed["embeddings"] == full["embeddings"]
+    assert packed["routed experts"] == full["routed experts"]
+    out = runner.invoke(cli, ["plan", "--device", "cpu", "--gpu-mem", "1G", "--dense", "int4"])
+    assert out.exit_code == 0 and "--dense int4" in out.output
+    bad = runner.invoke(cli, ["info", "--dense", "int3"])
+    assert bad.exit_code != 0 and "int3" in bad.output
