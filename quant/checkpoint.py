@@ -270,15 +270,10 @@ def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense:
     layout = fmt.layout(args.moe_intermediate_size, args.hidden_size)
 
     digest = hashlib.sha256((src / "config.json").read_bytes())
-    meta: dict[str, dict] = {}
     for shard in index.shards():
-        header = read_header(shard)
         digest.update(f"\0{shard.name}\0{shard.stat().st_size}\0".encode())
-        digest.update(json.dumps(header, sort_keys=True).encode())
-        meta.update({n: v for n, v in header.items() if index.files.get(n) == shard})
-    for name in index.files:
-        if name not in meta:
-            raise UserError(f"the checkpoint index names {name}, but {index.files[name].name} does not hold it")
+        digest.update(json.dumps(read_header(shard), sort_keys=True).encode())
+    meta = index.headers()                  # under the names the model reads (e.g. Kimi-K2.5's prefix removed)
 
     with_mtp, notice = mtp_status(index, args)
     moe_layers = args.moe_layer_ids + ([args.mtp_layer_id] if with_mtp else [])

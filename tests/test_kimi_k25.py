@@ -71,3 +71,15 @@ def test_chat_uses_kimis_template_and_generates(k25_dir):
     llm.stop_ids = set()
     chunks = list(llm.chat(messages, max_tokens=8))
     assert len(chunks) == 8 and chunks[-1].finish_reason == "length"
+
+
+def test_quantize_reads_the_language_model_by_its_own_names(k25_dir, tmp_path):
+    from dsv3lite.quant.checkpoint import quantize_checkpoint
+
+    dst = quantize_checkpoint(k25_dir, tmp_path / "k25-bf16", experts="bf16", progress=False, log=lambda m: None)
+    x = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(1))
+    quiet = dict(device="cpu", progress=False, log=lambda m: None)
+    got, want = dsv3lite.load(dst, **quiet).forward(x), dsv3lite.load(k25_dir, **quiet).forward(x)
+    # the quantized directory keeps its dense weights in bf16: logits within bf16 rounding of the fp32 original
+    torch.testing.assert_close(got, want, atol=6e-2, rtol=0)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
