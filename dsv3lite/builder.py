@@ -26,12 +26,22 @@ def resolve_weights(weights) -> Path:
 
 def resident_experts(root: Path, args: ModelArgs, experts: str | None, device: torch.device, log):
     """The Loader's expert provider when nothing is offloaded: packed blobs on `device` (a quantized dir's mapped
-    blobs, or an HF dir's experts quantized at load), or None to keep an HF dir's dense experts."""
+    blobs, or an HF dir's experts quantized at load), or None to keep an HF dir's dense experts. On CPU, a model
+    past the tiny-model size (generate.decode_threads' rule) gets blobs in the checkpoint's own precision (bf16,
+    or fp8 for an FP8 checkpoint) for the CPU expert kernel, where it runs, instead of dense fp32 experts."""
     from .experts import BlobExperts, expert_source
+    from .footprint import footprint
+    from .generate import SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
+    from .kernels import cpu_build
 
-    source = expert_source(root, args, experts, blobs_required=False)
+    large = footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
+    kernel = device.type == "cpu" and experts is None and large and cpu_build.library() is not None
+    source = expert_source(root, args, experts, blobs_required=kernel)
     if source is None:
         return None
+    if kernel and not source.mapped:
+        log(f"routed experts as {source.fmt.name} blobs for the CPU expert kernel (--experts int4 | fp8 to quantize)")
+        return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout)
     if not source.mapped:
         log(f"quantizing routed experts to {source.fmt.name} at load")
     return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout)

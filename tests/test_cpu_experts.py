@@ -263,3 +263,16 @@ def test_realwidth_writer_at_small_widths(tmp_path):
     assert read_header(b / "model.safetensors")["model.layers.2.self_attn.o_proj.weight"]["dtype"] == "BF16"
     llm = dsv3lite.load(str(a), device="cpu", **QUIET)
     assert llm.model.mtp is not None and len(list(llm.generate("ROMEO:", max_tokens=4))) >= 1
+
+
+def test_large_models_on_cpu_get_expert_blobs_by_default(monkeypatch, plain_tokens):
+    """Past the tiny-model size, an HF checkpoint's experts load as blobs in its own precision for the CPU kernel
+    (here: the demo with the size rule at 0); the bf16 blobs hold its bf16 weights exactly."""
+    compiled()
+    from dsv3lite import generate
+
+    monkeypatch.setattr(generate, "SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS", 0)
+    llm = dsv3lite.load(device="cpu", mtp=False, **QUIET)
+    experts = llm.model.layers[1].ffn.experts
+    assert isinstance(experts, dsv3lite.experts.BlobExperts) and experts.fmt.name == "bf16"
+    assert greedy(llm) == plain_tokens
