@@ -1,0 +1,93 @@
+"""The README's memory table: what DeepSeek-V3, Kimi-K2, Moonlight and DeepSeek-V2-Lite need in each expert format,
+from their published config.json values (written here) and the same planner `dsv3lite plan` uses; reads no weights.
+
+    python scripts/memory_table.py            # markdown table on stdout
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dsv3lite.config import ModelArgs
+from dsv3lite.footprint import DENSE_WEIGHT_BYTES
+from dsv3lite.offload.planner import make_plan
+from dsv3lite.quant.formats import get_format
+from dsv3lite.utils import format_bytes
+
+_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, hidden_act="silu")
+_YARN_V3 = dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                mscale=1.0, mscale_all_dim=1.0)
+MODELS = {
+    "DeepSeek-V3 / R1 (671B)": dict(
+        _MLA, model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, routed_scaling_factor=2.5, scoring_func="sigmoid",
+        topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=1, rope_theta=10000,
+        rope_scaling=_YARN_V3, max_position_embeddings=163840,
+        quantization_config=dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128])),
+    "Kimi-K2 (1T)": dict(
+        _MLA, model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=1, n_routed_experts=384,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1, num_attention_heads=64,
+        num_key_value_heads=64, q_lora_rank=1536, routed_scaling_factor=2.827, scoring_func="sigmoid",
+        topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=0, rope_theta=50000,
+        rope_scaling=dict(_YARN_V3, factor=32, beta_fast=1), max_position_embeddings=131072,
+        quantization_config=dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128])),
+    "Moonlight-16B-A3B": dict(
+        _MLA, model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, intermediate_size=11264,
+        moe_intermediate_size=1408, num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1, num_attention_heads=16,
+        num_key_value_heads=16, q_lora_rank=None, routed_scaling_factor=2.446, scoring_func="sigmoid",
+        topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=0, rope_theta=50000,
+        max_position_embeddings=8192),
+    "DeepSeek-V2-Lite (16B)": dict(
+        _MLA, model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+        moe_intermediate_size=1408, num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1, num_attention_heads=16,
+        num_key_value_heads=16, q_lora_rank=None, routed_scaling_factor=1.0, scoring_func="softmax",
+        topk_method="greedy", norm_topk_prob=False, rope_theta=10000, max_position_embeddings=163840,
+        rope_scaling=dict(_YARN_V3, beta_fast=32)),
+}
+FORMATS = ("fp8", "int4", "nf4", "bf16")
+CTX = 4096
+
+
+def rows():
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cfg in MODELS.items():
+            root = Path(tmp) / name.split()[0]
+            root.mkdir()
+            (root / "config.json").write_text(json.dumps(cfg))
+            a = ModelArgs.from_dir(root)
+            mtp = a.num_nextn_predict_layers >= 1
+            layers = len(a.moe_layer_ids) + (1 if mtp else 0)
+            for fmt in FORMATS:
+                blob = get_format(fmt).layout(a.moe_intermediate_size, a.hidden_size).blob_bytes
+                host = layers * a.n_routed_experts * blob
+                gpu = make_plan(a, 1 << 50, CTX, blob, fmt, dense_bytes=2, mtp=mtp).resident
+                cpu = make_plan(a, 1 << 50, CTX, blob, fmt, dense_bytes=4, mtp=mtp,
+                                weight_bytes=DENSE_WEIGHT_BYTES["int8"]).resident
+                out.append((name, fmt, host, gpu, host + cpu))
+    return out
+
+
+def main() -> int:
+    print("| model | experts | expert blobs (host RAM, or the page cache) | GPU minimum | CPU-only run, `--dense int8` |")
+    print("|---|---|---|---|---|")
+    for name, fmt, host, gpu, cpu in rows():
+        print(f"| {name} | {fmt} | {format_bytes(host)} | {format_bytes(gpu)} | {format_bytes(cpu)} |")
+    print(f"\nGPU minimum: every non-expert weight resident in bf16, the latent KV cache for {CTX} tokens and the "
+          f"prefill workspace (`dsv3lite plan` prints it); every byte of --gpu-mem above it holds expert slots. "
+          f"CPU-only: the expert blobs plus the non-expert weights packed to int8, fp32 activations and KV.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
