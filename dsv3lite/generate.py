@@ -16,6 +16,7 @@ import torch
 
 from .errors import UserError
 from .limits import ABSORB_MAX_TOKENS, PREFILL_CHUNK
+from .offload.stats import empty_expert_cache_stats
 from .sampling import SamplingParams, sample, sampling_probs
 from .speculative import Speculator
 
@@ -84,12 +85,6 @@ class _Emitter:
             return Chunk(text + tail + ("" if stopped else self.stopper.flush()), token,
                          "stop" if stopped else "length")
         return Chunk(text, token)
-
-
-def empty_expert_cache_stats() -> dict:
-    return {"hits": 0, "prefetch_hits": 0, "demand_misses": 0, "hit_rate": 0.0, "h2d_bytes": 0,
-            "h2d_gb_s": 0.0, "stall_ms": 0.0, "cpu_experts": 0, "predictor_precision": 0.0,
-            "predictor_recall": 0.0}
 
 
 @dataclass
