@@ -1,4 +1,4 @@
-"""The `dsv3lite` command: chat, generate, info (and quantize, serve, ui, plan, trace, bench).
+"""The `dsv3lite` command: chat, generate, serve, ui, info, plan, quantize, trace, convert-tokenizer.
 
 Bad input ends with one line on stderr and a non-zero exit; `--debug` shows the traceback.
 """
