@@ -34,7 +34,8 @@ inline void prefetch(const void* p) {
 
 // ---- activations, prepared once per (token, matrix input) --------------------------------------------------
 // float formats: K floats (bf16: each full 16-chunk as its 8 even then 8 odd elements; fp8: each full 32-chunk as
-//   elements 0, 4, .., 28, then 1, 5, .., 29, then 2, .. and 3, .., times 2^e, with 2^(120 - e) after them)
+//   elements 0, 4, .., 28, then 2, 6, .., then 1, 5, .., then 3, 7, .. (fp8x32's order), times 2^e, and 2^(120 - e)
+//   after them)
 // int8-quantized (int4, int8 weights): xq int8 [Kp] (int4: each 64-chunk as the 32 elements of the low nibbles
 //   then the 32 of the high nibbles), xs float [G] (group scale), c float [G] (xs * sum of the group's xq),
 //   and for int8 weights |xq| uint8 [Kp].
@@ -103,9 +104,10 @@ void prepare(const float* x, const ActSize& s, uint8_t* base) {
     if (amax > 0.f) e = std::min(e, 126 - std::ilogb(amax));      // |x| * 2^e < 2^127: finite
     const float up = std::ldexp(1.0f, e);
     int64_t full = s.k / 32 * 32;
+    constexpr int byte_of[4] = {0, 2, 1, 3};                    // fp8x32's vector order
     for (int64_t c = 0; c < full; c += 32)
       for (int j = 0; j < 4; ++j)
-        for (int i = 0; i < 8; ++i) f[c + 8 * j + i] = x[c + 4 * i + j] * up;
+        for (int i = 0; i < 8; ++i) f[c + 8 * j + i] = x[c + 4 * i + byte_of[j]] * up;
     for (int64_t j = full; j < s.k; ++j) f[j] = x[j] * up;
     f[s.k] = std::ldexp(1.0f, 120 - e);
     return;
@@ -197,14 +199,19 @@ inline float fp8_bits_f32(uint8_t b) {
   return f;
 }
 
-// 32 e4m3 bytes -> four fp32 vectors: lane i of vector j holds element 4i + j (x is permuted to match)
+// 32 e4m3 bytes -> four fp32 vectors. In 16-bit lanes, each byte's sign goes to bit 15 and its 7 other bits to bits
+// 10..4: the bf16 of the e4m3 value times 2^-120; a bf16 in the low or high half of a 32-bit lane is an fp32 after
+// a shift or a mask. Vector j, lane i holds element 4i + (0, 2, 1, 3)[j] (x is permuted to match).
 inline void fp8x32(const uint8_t* p, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
-  w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 4), mask));
-  w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 4), mask));
-  w2 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 4), mask));
-  w3 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(v, 4), mask));
+  const __m256i mask = _mm256_set1_epi16(static_cast<short>(0x87F0));
+  const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4), mask);   // bytes 0, 2 of a lane
+  const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(v, 4), mask);                           // bytes 1, 3
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(even, 16));      // byte 0 of each 32-bit lane
+  w1 = _mm256_castsi256_ps(_mm256_and_si256(even, hi16));     // byte 2
+  w2 = _mm256_castsi256_ps(_mm256_slli_epi32(odd, 16));       // byte 1
+  w3 = _mm256_castsi256_ps(_mm256_and_si256(odd, hi16));      // byte 3
 }
 
 template <int NT>
