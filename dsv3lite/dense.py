@@ -5,7 +5,7 @@ many bytes as a llama.cpp Q4 / Q8 file.
 
 One vocabulary with `quantize --dense` (which stores bf16 or an FP8 source's fp8 tensors) and one packing per
 dtype: bf16 is a cast, fp8 quant.fp8's 128x128 block quantizer, int4 quant.int4's group quantizer (group 128, with
-its clipping search), int8 symmetric per group of 128 (here). An FP8 checkpoint's dense weights reach the model
+its clipping search), int8 quant.int8's symmetric quantizer (per group of 128). An FP8 checkpoint's dense weights reach the model
 dequantized (loader), so `--dense fp8` quantizes those values again (block scales may differ in the last bits).
 Kept as they are: the routers (fp32), norms, embeddings (one row read per token), and the Linear modules whose
 weight the model reads directly (`KEEP`: MLA's wkv_b, absorbed into the latent attention; V3.2's fp32
@@ -37,22 +37,11 @@ def check_dense(dense: str | None, device: torch.device) -> None:
                         f"they stay in --dtype (drop --dense, or run with --device cpu)")
 
 
-def int8_quantize(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q int8 [N, Kp], scale float32 [N, Kp/group]): symmetric, scale = amax / 127, K zero-padded."""
-    n, k = w.shape
-    kp = -(-k // group) * group
-    wp = torch.zeros(n, kp, dtype=torch.float32)
-    wp[:, :k] = w
-    wg = wp.view(n, kp // group, group)
-    scale = wg.abs().amax(dim=-1, keepdim=True) / 127.0
-    q = torch.where(scale > 0, wg / scale, torch.zeros_like(wg)).round_().clamp_(-127, 127).to(torch.int8)
-    return q.view(n, kp), scale.squeeze(-1)
-
-
 def pack_weight(w: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(weight, scale, zero) of one [N, K] matrix in `dtype`, the layout kernels/cpu_linear.py reads."""
     from .quant.fp8 import fp8_block_quantize
     from .quant.int4 import int4_quantize
+    from .quant.int8 import int8_quantize
 
     w = w.detach().float().cpu()
     if dtype == "bf16":

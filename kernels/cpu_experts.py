@@ -5,13 +5,14 @@
 `cpu_experts_forward` runs the compiled kernel (kernels/csrc/cpu_kernels.cpp, built by cpu_build) or, where there
 is none, its twin `cpu_experts_ref`; both compute the same math, which differs from dequantize-then-matmul
 (`ExpertFormat.expert_forward_ref`) in two ways chosen for speed:
-- int4: activations (x, and h = silu(gate x) * up x) are quantized to int8 per weight group (symmetric, scale
-  amax / 127, round half to even) and multiplied with the 4-bit codes in integers: s * xs * (sum q xq - z sum xq);
+- int4 and int8: activations (x, and h = silu(gate x) * up x) are quantized to int8 per weight group (symmetric,
+  scale amax / 127, round half to even) and multiplied with the codes in integers: s * xs * (sum q xq - z sum xq)
+  (int8 weights have no zero point);
 - fp8: each 128x128 block's scale multiplies the block's partial dot in fp32 instead of each weight being
   rounded to bf16 after scaling (bf16(fp32(q) * s)): the weights differ by at most 2^-9 relative.
 bf16 weights are used as they are. Each token's result is computed the same way whatever else is in the call
 (decode, MTP verification, prefill), in fp32, and the weighted sum adds each product in ascending expert id.
-Formats: bf16, fp8, int4 (group 64 or 128, or 32 with an even number of groups per row); nf4 stays on
+Formats: bf16, fp8, int8, int4 (group 64 or 128, or 32 with an even number of groups per row); nf4 stays on
 bitsandbytes.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from . import cpu_build
 
 # Nothing from quant/ is imported here (quant/layout.py dispatches to this module): a layout is any object with
 # quant.layout.BlobLayout's fields and `view`.
-FMT_CODES = {"bf16": 0, "fp8": 1, "int4": 2}
+FMT_CODES = {"bf16": 0, "fp8": 1, "int4": 2, "int8": 3}
 MATRICES = ("gate", "up", "down")     # blob order (quant.layout.MATRICES)
 FP8_BLOCK = 128                       # edge of an fp8 scale block (quant.fp8.BLOCK)
 MAX_GROUPS = 1024                     # groups (int4) or 128-blocks (fp8) per weight row the kernel holds
@@ -180,12 +181,13 @@ def matrix_weights_ref(fmt: str, weight: torch.Tensor, scale: torch.Tensor | Non
         b = weight.view(n, -1, group // 2)             # byte i of a group: element i low, i + g/2 high
         q = torch.cat([b & 0xF, b >> 4], dim=-1).float()
         return ((q - zero.float().unsqueeze(-1)) * scale.float().unsqueeze(-1)).view(n, -1)[:, :k]
-    if fmt == "int8":
-        return (weight.float().view(n, -1, group) * scale.float().unsqueeze(-1)).view(n, -1)[:, :k]
+    if fmt == "int8":                                  # codes as int8 (or their uint8 bytes, as blobs hold them)
+        return (weight.view(torch.int8).float().view(n, -1, group) * scale.float().unsqueeze(-1)).view(n, -1)[:, :k]
     raise ValueError(f"no CPU kernel for {fmt} weights")
 
 
-_PARTS = {"bf16": ("weight", None, None), "fp8": ("weight", "scale", None), "int4": ("qweight", "scales", "zeros")}
+_PARTS = {"bf16": ("weight", None, None), "fp8": ("weight", "scale", None), "int4": ("qweight", "scales", "zeros"),
+          "int8": ("weight", "scale", None)}
 
 
 def expert_weights_ref(blob: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -202,7 +204,7 @@ def expert_weights_ref(blob: torch.Tensor, layout) -> tuple[torch.Tensor, torch.
 def expert_ref(blob: torch.Tensor, xs: torch.Tensor, layout) -> torch.Tensor:
     """One expert on xs [N, D] fp32, as the kernel computes it."""
     gate, up, down = expert_weights_ref(blob, layout)
-    act = (lambda v: quantize_activation(v, layout.group_size)) if layout.format == "int4" else (lambda v: v)
+    act = (lambda v: quantize_activation(v, layout.group_size)) if layout.format in ("int4", "int8") else (lambda v: v)
     xq = act(xs)
     h = F.silu(F.linear(xq, gate)) * F.linear(xq, up)
     return F.linear(act(h), down)

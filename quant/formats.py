@@ -7,6 +7,7 @@ from ..errors import UserError
 from .bf16 import Bf16Format
 from .fp8 import Fp8Format
 from .int4 import Int4Format
+from .int8 import Int8Format
 from .layout import ALIGN, BlobLayout, Component, ExpertFormat, swiglu_ref
 from .nf4 import Nf4Format
 
@@ -14,6 +15,7 @@ FORMAT_CLASSES: dict[str, type[ExpertFormat]] = {
     "bf16": Bf16Format,
     "fp8": Fp8Format,
     "int4": Int4Format,
+    "int8": Int8Format,
     "nf4": Nf4Format,
 }
 FORMATS = tuple(FORMAT_CLASSES)
