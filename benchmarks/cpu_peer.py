@@ -21,6 +21,7 @@ for the 1-minute load average to fall below --quiet, and reports the load it sta
 
     python benchmarks/cpu_peer.py                          # tables a, b, c; 2 threads; 5 rounds
     python benchmarks/cpu_peer.py --tables a --threads 1,2 --rounds 7
+    python benchmarks/cpu_peer.py --tables q               # the kernels' numerics: quality on the demo
 """
 from __future__ import annotations
 
@@ -502,7 +503,7 @@ def demo_prompt(llm, n: int) -> list[int]:
     from dsv3lite import DEMO_DIR
 
     card = (DEMO_DIR / "README.md").read_text(encoding="utf-8").split("<!-- reference-slice -->", 1)[1]
-    return llm.tokenizer.encode(card.split("```text\n", 1)[1], add_bos=True)[:n]
+    return llm.tokenizer.encode(card.split("```text\n", 1)[1].split("\n```", 1)[0], add_bos=True)[:n]
 
 
 def slice_dir() -> Path:
@@ -514,6 +515,42 @@ def slice_dir() -> Path:
         write_realwidth_checkpoint(path.with_suffix(".partial"), layers=3, dense_layers=1, experts=16, vocab=4096)
         path.with_suffix(".partial").rename(path)
     return path
+
+
+def table_q() -> None:
+    """Perplexity, top-1 agreement and logit error on the demo's reference slice, per expert / dense dtype, against
+    the fp32 model; for expert formats also the format's dequantizing path (the kernels forced off)."""
+    import math
+
+    import dsv3lite
+    import torch.nn.functional as F
+
+    quiet = dict(progress=False, log=lambda m: None)
+    plain = dsv3lite.load(device="cpu", mtp=False, **quiet)
+    ids = torch.tensor([demo_prompt(plain, 512)])
+    want = plain.forward(ids)
+
+    def figures(logits):
+        ppl = math.exp(F.cross_entropy(logits[0, :-1], ids[0, 1:]).item())
+        top1 = (logits.argmax(-1) == want.argmax(-1)).float().mean().item()
+        return f"{ppl:.3f} | {top1:.3f} | {((logits - want).norm() / want.norm()).item():.4f} | " \
+               f"{(logits - want).abs().max().item():.3f}"
+
+    print("\n### quality on the demo's reference slice (512 tokens) against fp32\n")
+    print("| configuration | perplexity | top-1 = fp32 | logit error | max abs logit diff | dequantizing path: perplexity "
+          "| top-1 | logit error | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = [(e, None) for e in ("bf16", "fp8", "int8", "int4")] + [(None, d) for d in ("bf16", "fp8", "int8", "int4")] \
+        + [("int4", "int4"), ("int8", "int8"), ("fp8", "int8")]
+    for experts, dense in rows:
+        llm = dsv3lite.load(device="cpu", mtp=False, experts=experts, dense=dense, **quiet)
+        got = llm.forward(ids)
+        ref = " |  |  | "
+        if dense is None:
+            os.environ["DSV3LITE_CPU_KERNELS"] = "ref"
+            ref = figures(llm.forward(ids))
+            del os.environ["DSV3LITE_CPU_KERNELS"]
+        print(f"| experts {experts or 'fp32'}, dense {dense or 'fp32'} | {figures(got)} | {ref} |")
 
 
 def main():
@@ -557,6 +594,8 @@ def main():
         out["c"] = {"load": load, "threads": t, "rows": res}
         print_models(f"(c) real-width slice (3 layers, 1 dense, 16 experts), 16-token prompt then 32 tokens, "
                      f"{t} thread(s), load {load:.2f}", res, SLICE_CONFIGS)
+    if "q" in args.tables:
+        table_q()
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 
