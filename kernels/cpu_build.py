@@ -29,11 +29,9 @@ _c_i64, _c_int, _c_ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("DSV3LITE_CACHE_DIR")
-    if root:
-        return Path(root).expanduser() / "cpu_kernels"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "dsv3lite" / "cpu_kernels"
+    from ..utils import cache_root
+
+    return cache_root() / "cpu_kernels"
 
 
 def forced_off() -> bool:
