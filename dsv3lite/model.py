@@ -427,8 +427,11 @@ class MoE(nn.Module):
         weights, ids, scores = self.gate(flat)
         for fn in self.observers.routing:
             fn(self.layer_id, ids, scores)
+        # the shared expert first: on a GPU it is queued before the routed experts wait for copies or CPU results
+        # (and on an offloaded layer it runs while they do); addition commutes exactly, so the bits do not change
+        shared = self.shared_experts(x)
         routed = self.experts(flat, ids, weights).view(shape)
-        return routed + self.shared_experts(x)
+        return routed + shared
 
 
 # --- observers ---------------------------------------------------------------------------------------

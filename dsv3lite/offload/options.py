@@ -15,6 +15,7 @@ class OffloadOptions:
     miss_policy: str = "auto"           # one of MISS_POLICIES
     cache_policy: str = "decayed-lfu"   # a name in offload.policy.POLICIES
     cpu_mem: int | str | None = None    # cap on host memory for expert blobs ("64G", bytes); None: what RAM allows
+    cpu_threads: int = 0                # threads computing CPU-assigned misses; 0: torch's intra-op thread count
 
     def __post_init__(self):
         from ..utils import parse_size
@@ -28,6 +29,8 @@ class OffloadOptions:
             raise UserError(f"unknown cache policy {self.cache_policy!r}: use {', '.join(POLICIES)}")
         if self.cpu_mem is not None:
             parse_size(self.cpu_mem)
+        if not isinstance(self.cpu_threads, int) or isinstance(self.cpu_threads, bool) or self.cpu_threads < 0:
+            raise UserError(f"--cpu-threads must be an integer >= 0, got {self.cpu_threads!r}")
 
     @property
     def cpu_mem_bytes(self) -> int | None:

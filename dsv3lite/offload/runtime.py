@@ -19,6 +19,7 @@ from ..limits import BULK_TOKENS
 from ..model import combine_experts
 from ..quant.layout import BlobLayout, ExpertFormat
 from .cache import ExpertCache, HostStore
+from .cpu_worker import CpuJob, CpuWorker
 from .options import MISS_POLICIES, OffloadOptions
 from .policy import make_policy
 from .predictor import RoutePredictor
@@ -28,32 +29,51 @@ BULK_WINDOW = 4          # copies kept in flight ahead of compute while streamin
 
 
 class CostModel:
-    """Measured at start-up: H2D bytes/s and CPU seconds per expert per token for the expert format."""
+    """Measured at start-up: H2D bytes/s, and the CPU's seconds for one expert on 1 and on 4 tokens in the
+    format in use, at its real size, with the thread count that will compute misses (the expert's weights read
+    from memory, not a cache). A memory-bound kernel costs little more for 4 tokens than for 1: between and
+    beyond the two, the cost is taken as linear in the tokens."""
 
-    def __init__(self, h2d_bytes_per_s: float, cpu_s_per_token: float, blob_bytes: int):
+    def __init__(self, h2d_bytes_per_s: float, cpu_s_1: float, cpu_s_4: float, blob_bytes: int, threads: int):
         self.h2d_bytes_per_s = h2d_bytes_per_s
-        self.cpu_s_per_token = cpu_s_per_token
+        self.cpu_s_1, self.cpu_s_4 = cpu_s_1, max(cpu_s_4, cpu_s_1)
         self.blob_bytes = blob_bytes
+        self.threads = threads
 
     def fetch_s(self) -> float:
         return self.blob_bytes / self.h2d_bytes_per_s
 
     def cpu_s(self, n_tokens: int) -> float:
-        return self.cpu_s_per_token * max(n_tokens, 1)
+        return self.cpu_s_1 + (self.cpu_s_4 - self.cpu_s_1) * (max(n_tokens, 1) - 1) / 3
 
     def prefer_cpu(self, n_tokens: int) -> bool:
         return self.cpu_s(n_tokens) < self.fetch_s()
 
+    def describe(self) -> str:
+        return (f"H2D {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({self.fetch_s() * 1e3:.2f} ms per expert), CPU "
+                f"{self.cpu_s_1 * 1e3:.2f} ms per expert for 1 token, {self.cpu_s_4 * 1e3:.2f} for 4 "
+                f"({self.threads} threads)")
+
     @classmethod
-    def measure(cls, cache: ExpertCache, fmt: ExpertFormat, layout: BlobLayout, key, dtype) -> "CostModel":
-        best = cache.time_copy(key)
-        x = torch.zeros(1, layout.hidden, dtype=dtype)
-        cpu = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fmt.expert_forward(cache.host.blob(key), x, layout)
-            cpu = min(cpu, time.perf_counter() - t0)
-        return cls(layout.blob_bytes / max(best, 1e-9), cpu, layout.blob_bytes)
+    def measure(cls, cache: ExpertCache, fmt: ExpertFormat, layout: BlobLayout, layer_id: int, dtype,
+                worker: CpuWorker | None) -> "CostModel":
+        h2d = layout.blob_bytes / max(cache.time_copy((layer_id, 0)), 1e-9)
+        n = cache.host.layers[layer_id].shape[0]
+        experts = [e % n for e in range(1, 5)]          # distinct where the layer has them, not slot 0's
+        if worker is not None:
+            t1 = worker.time_experts(layer_id, experts[:2], 1)
+            t4 = worker.time_experts(layer_id, experts[2:], 4)
+            return cls(h2d, t1, t4, layout.blob_bytes, worker.threads)
+        times = []
+        for tokens, group in ((1, experts[:2]), (4, experts[2:])):
+            x = torch.zeros(tokens, layout.hidden, dtype=dtype)
+            best = float("inf")
+            for e in group:
+                t0 = time.perf_counter()
+                fmt.expert_forward(cache.host.blob((layer_id, e)), x, layout)
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+        return cls(h2d, times[0], times[1], layout.blob_bytes, torch.get_num_threads())
 
 
 class OffloadedExperts(nn.Module):
@@ -89,8 +109,10 @@ class OffloadRuntime:
         self.uses = UseCounts()
         self.per_layer: dict[int, UseCounts] = {}
         self.predictor_counts: dict[int, list[int]] = {}  # distance -> [true positives, predicted, actual]
-        any_key = (next(iter(host.layers)), 0)
-        self.cost = CostModel.measure(self.cache, fmt, layout, any_key, dtype)
+        # CPU-assigned misses of decode steps run on a worker thread when the compiled kernel serves the layout
+        self.worker = CpuWorker(host, layout, options.cpu_threads) \
+            if options.miss_policy != "fetch" and CpuWorker.usable(layout) else None
+        self.cost = CostModel.measure(self.cache, fmt, layout, next(iter(host.layers)), dtype, self.worker)
         self.fused = dispatch.use_kernels(device) and fmt.fused_kernel   # decode through the fused MoE kernel
 
     # --- wiring --------------------------------------------------------------------------------
@@ -150,11 +172,15 @@ class OffloadRuntime:
         keys = [(layer_id, e) for e in used]
         self.slots.pin(keys)
         place = {e: self._place(layer_id, e, n, counts) for e in used}
+        on_cpu = {e for e, slot in place.items() if slot is None}
+        job = self.worker.submit(layer_id, x, rows, on_cpu) if on_cpu and self.worker is not None else None
         if self.fused:
-            out = self._fused(layer_id, x, ids, weights, rows, place)
+            out = self._fused(layer_id, x, ids, weights, rows, place, job)
         else:
-            out = combine_experts(lambda e, xs: self._compute(place[e], layer_id, e, xs), x, ids, weights,
-                                  host_ids=rows)
+            def compute(e, xs):
+                return job.expert(e, x.dtype) if job is not None and e in on_cpu else \
+                    self._compute(place[e], layer_id, e, xs)
+            out = combine_experts(compute, x, ids, weights, host_ids=rows)
         self.cache.release([s for s in place.values() if s is not None])
         self.slots.unpin(keys)                   # released: the slots may be reused once this compute is done
         self.cache.collect_copy_time()
@@ -187,22 +213,24 @@ class OffloadRuntime:
         self.cache.wait(slot)
         return self.fmt.expert_forward(self.cache.slot_view(slot), xs, self.layout).to(xs.dtype)
 
-    def _fused(self, layer_id, x, ids, weights, rows, place) -> torch.Tensor:
+    def _fused(self, layer_id, x, ids, weights, rows, place, job: CpuJob | None) -> torch.Tensor:
         """Decode through the fused MoE kernel: resident experts read from their slots; CPU-computed misses
         enter as external outputs at their (token, k) positions, summed in the same ascending-id order."""
         table = torch.full((self.host.layers[layer_id].shape[0],), -1, dtype=torch.int32)
-        external = None
         for e, slot in place.items():
             if slot is not None:
                 table[e] = slot
                 self.cache.wait(slot)
-        if any(slot is None for slot in place.values()):
+        table = table.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else table
+        external = None
+        if job is not None:
+            external = job.pairs().to(x.dtype)
+        elif any(slot is None for slot in place.values()):
             external = torch.zeros(x.shape[0], ids.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
             for t, row in enumerate(rows):
                 for k, e in enumerate(row):
                     if place[e] is None:
                         external[t, k] = self._compute(None, layer_id, e, x[t:t + 1])[0]
-        table = table.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else table
         return fused_moe(x, ids, weights, table, self.cache.pool, self.layout, external)
 
     def _bulk(self, layer_id, x, ids, weights, rows, counts) -> torch.Tensor:
@@ -265,6 +293,12 @@ class OffloadRuntime:
             row[1] += len(predicted)
             row[2] += len(actual)
 
+    def close(self) -> None:
+        """Stop the CPU worker (the runtime serves no more layers)."""
+        self.detach()
+        if self.worker is not None:
+            self.worker.close()
+
     def reset_stats(self) -> None:
         self.cache.drain()
         self.cache.reset_counts()
@@ -272,6 +306,8 @@ class OffloadRuntime:
         self.per_layer = {}
         self.predictor_counts = {}
         self.pending = {}
+        if self.worker is not None:
+            self.worker.reset_counts()
 
     def stats(self) -> dict:
         """The `expert_cache` entry of the engine's stats (offload/stats.py)."""
@@ -280,4 +316,8 @@ class OffloadRuntime:
             self.uses, self.per_layer, self.cache.counts, self.predictor_counts,
             prefetches_wasted=self.slots.wasted_prefetches, evictions=self.slots.evictions,
             slots=self.slots.n_slots, resident_experts=len(self.slots), host_tier=self.host.mode,
-            miss_policy=self.options.miss_policy).as_dict()
+            miss_policy=self.options.miss_policy, **self._worker_stats()).as_dict()
+
+    def _worker_stats(self) -> dict:
+        w = self.worker
+        return {} if w is None else {"cpu_jobs": w.jobs, "cpu_ms": w.compute_s * 1e3, "cpu_wait_ms": w.wait_s * 1e3}

@@ -80,9 +80,7 @@ def build_offload(root: Path, args: ModelArgs, experts: str | None, gpu_mem, ctx
     blobs, mode = _host_blobs(source, layers, device, total, options.cpu_mem_bytes, log)
     runtime = OffloadRuntime(HostStore(blobs, source.layout.blob_bytes, mode), source.fmt, source.layout,
                              plan.n_slots, device, dtype, options=options, plan=plan, log=log)
-    c = runtime.cost
-    log(f"cost model: H2D {c.h2d_bytes_per_s / 1e9:.1f} GB/s ({c.fetch_s() * 1e3:.2f} ms per expert), CPU "
-        f"{c.cpu_s_per_token * 1e3:.2f} ms per expert-token; misses: {options.miss_policy}")
+    log(f"cost model: {runtime.cost.describe()}; misses: {options.miss_policy}")
     return runtime
 
 

@@ -53,6 +53,9 @@ class ExpertCacheStats:
     resident_experts: int = 0
     host_tier: str = ""           # "pinned" | "memory" | "mmap"
     miss_policy: str = ""
+    cpu_jobs: int = 0             # layers whose CPU-assigned misses ran on the worker thread
+    cpu_ms: float = 0.0           # worker time in the CPU kernel
+    cpu_wait_ms: float = 0.0      # time the layer waited for the worker (the rest overlapped the device's work)
     per_layer: dict = field(default_factory=dict)               # layer -> {"hits", ..., "hit_rate"}
 
     @classmethod
