@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -172,6 +173,53 @@ def write_checkpoint(path: str | os.PathLike, variant: str = "v3", seed: int = 0
     return path
 
 
+# DeepSeek-V3's routing geometry: 61 layers of which the first 3 dense, 256 routed experts, top-8 within the best 4 of
+# 8 groups, sigmoid noaux_tc with a correction bias (the "v3" variant's router and, by default, its tiny widths)
+V3_GEOMETRY = dict(num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, num_experts_per_tok=8,
+                   n_group=8, topk_group=4, routed_scaling_factor=2.5)
+LAYERS_PER_SHARD = 4      # the hub's V3 keeps a few layers per shard; a reader of one layer parses a small header
+
+
+def geometry_model(seed: int = 0, vocab_size: int = 400, **overrides):
+    """The random transformers DeepseekV3ForCausalLM (fp32) that write_geometry_checkpoint writes for the same
+    arguments: V3_GEOMETRY at the "v3" variant's widths, `overrides` changing either."""
+    return hf_model("v3", seed=seed, vocab_size=vocab_size, **dict(V3_GEOMETRY, **overrides))
+
+
+def write_geometry_checkpoint(path: str | os.PathLike, mtp: bool = False, seed: int = 0, vocab_size: int = 400,
+                              **overrides) -> Path:
+    """An HF checkpoint of geometry_model(seed, vocab_size, **overrides) with the hub's tensor names (per-expert
+    tensors), sharded LAYERS_PER_SHARD layers a shard with an index, and a tokenizer: per-layer host costs at V3's
+    depth and expert count for tests and benchmarks. mtp=True adds a random MTP layer (layer num_hidden_layers),
+    else the config declares none."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = geometry_model(seed, vocab_size, **overrides)
+    tensors = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
+    n_layers = model.config.num_hidden_layers
+    for layer in range(n_layers):
+        _split_expert_tensors(tensors, layer)
+    cfg = model.config.to_dict()
+    cfg.update(architectures=["DeepseekV3ForCausalLM"], dtype="float32", num_nextn_predict_layers=int(mtp))
+    if mtp:
+        tensors.update(_mtp_tensors(cfg, seed + 1))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    shards: dict[int, dict] = {}
+    for name, t in tensors.items():
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        shards.setdefault(int(layer.group(1)) // LAYERS_PER_SHARD + 1 if layer else 0, {})[name] = t
+    weight_map = {}
+    for i, key in enumerate(sorted(shards)):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shards[key], path / fname, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shards[key], fname))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_tokenizer(path, vocab_size=min(400, vocab_size))
+    return path
+
+
 # not FP8 in DeepSeek's checkpoints (V3.2's indexer weights_proj included)
 # --- Kimi-K2.5: a multimodal checkpoint whose language model is a Kimi-K2 (V3) network ------------------------
 
@@ -311,15 +359,24 @@ def hf_reference_for_fp8(fp8_dir: str | os.PathLike, variant: str = "v3fp8"):
 def add_mtp_weights(path: str | os.PathLike, seed: int = 1, init_std: float = 0.08) -> Path:
     """Give a tiny checkpoint a random MTP layer (model.layers.{num_hidden_layers}.*: a full MoE decoder
     layer plus enorm, hnorm, eh_proj and shared_head.norm), as DeepSeek-V3 checkpoints carry one."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
+    tensors = load_file(path / "model.safetensors")
+    tensors.update(_mtp_tensors(cfg, seed, init_std))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _mtp_tensors(cfg: dict, seed: int, init_std: float = 0.08) -> dict:
+    """A random MTP layer for a checkpoint of config `cfg`, under the hub's names (per-expert tensors)."""
+    import torch
+
     n = cfg["num_hidden_layers"]
     variant_model = hf_model_from_config(cfg, seed=seed, init_std=init_std, num_hidden_layers=1,
                                          first_k_dense_replace=0)
-    tensors = load_file(path / "model.safetensors")
+    tensors = {}
     d = cfg["hidden_size"]
     gen = torch.Generator().manual_seed(seed)
     for name, t in variant_model.state_dict().items():
@@ -329,8 +386,7 @@ def add_mtp_weights(path: str | os.PathLike, seed: int = 1, init_std: float = 0.
     for norm in ("enorm", "hnorm", "shared_head.norm"):
         tensors[f"model.layers.{n}.{norm}.weight"] = 1.0 + 0.1 * torch.randn(d, generator=gen)
     tensors[f"model.layers.{n}.eh_proj.weight"] = init_std * torch.randn(d, 2 * d, generator=gen)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return tensors
 
 
 def hf_model_from_config(cfg: dict, seed: int = 0, init_std: float = 0.08, **overrides):
