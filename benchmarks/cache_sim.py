@@ -1,6 +1,9 @@
 """Replay routing traces against expert-cache policies: LRU, LFU, decayed-LFU (the default), the default
 with router-predicted prefetch, and Belady's MIN (the offline optimum), at cache sizes of 10-50% of all
-routed experts. Every expert load counts: demand misses plus prefetches, wasted ones included.
+routed experts. Every expert load counts: demand misses plus prefetches, wasted ones included (prefetching
+columns also show the demand misses among them: the loads a step waits for). With --mtp the MTP layer is traced
+too, and the next-token sources (the next token's first MoE layers predicted from the last main layer or from the
+MTP layer) get columns and recall rows of their own.
 
     python benchmarks/cache_sim.py                          # traces the bundled demo model first
     python benchmarks/cache_sim.py --trace t.jsonl [--trace u.jsonl ...]
@@ -21,11 +24,11 @@ PROMPTS = [
 ]
 
 
-def make_traces(weights, tokens: int, lookahead: int, out_dir: Path) -> list[Path]:
+def make_traces(weights, tokens: int, lookahead: int, out_dir: Path, mtp: bool = False) -> list[Path]:
     import dsv3lite
     from dsv3lite.offload.trace import TraceRecorder
 
-    llm = dsv3lite.load(weights, device="cpu", mtp=False, progress=False, log=lambda m: None)
+    llm = dsv3lite.load(weights, device="cpu", mtp=mtp, mtp_adaptive=False, progress=False, log=lambda m: None)
     paths = []
     for i, prompt in enumerate(PROMPTS):
         rec = TraceRecorder(llm.model, lookahead)
@@ -55,7 +58,7 @@ def predictor_recall(trace) -> dict[int, float]:
         for d, pred in by_d.items():
             hit[d] = hit.get(d, 0) + len(pred & act)
             total[d] = total.get(d, 0) + len(act)
-    return {d: hit[d] / total[d] for d in sorted(total)}
+    return {d: hit[d] / total[d] for d in total}
 
 
 def main():
@@ -65,8 +68,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=256, help="tokens generated per prompt when tracing")
     ap.add_argument("--sizes", default="10,20,25,30,40,50", help="cache sizes, percent of all routed experts")
     ap.add_argument("--lookahead", type=int, default=3)
+    ap.add_argument("--mtp", action="store_true", help="trace with MTP drafting (the MTP layer's experts too)")
     args = ap.parse_args()
 
+    from dsv3lite.offload.predictor import NEXT_TOKEN_SOURCES, distance_order
     from dsv3lite.offload.trace import read_trace, simulate
 
     if args.trace:
@@ -75,7 +80,7 @@ def main():
         tmp = Path(tempfile.mkdtemp(prefix="dsv3lite-traces-"))
         print(f"# tracing {args.weights or 'the demo model'}: {len(PROMPTS)} prompts x {args.tokens} tokens",
               file=sys.stderr)
-        paths = make_traces(args.weights, args.tokens, args.lookahead, tmp)
+        paths = make_traces(args.weights, args.tokens, args.lookahead, tmp, args.mtp)
     traces = [read_trace(p) for p in paths]
     meta = traces[0].meta
     total_experts = len(meta["moe_layers"]) * meta["n_experts"]
@@ -85,8 +90,9 @@ def main():
     uses = sum(sum(len(k) for _, k in t.accesses) for t in traces)
     print(f"# {len(traces)} traces, {uses} expert uses over {len(meta['moe_layers'])} MoE layers x "
           f"{meta['n_experts']} experts (top-{meta['top_k']}); loads summed over traces")
-    head = ["cache", "slots"] + policies + [f"decayed-lfu+prefetch@{d}" for d in prefetch] + ["belady (MIN)",
-                                                                                          "default / MIN"]
+    sources = [s for s in NEXT_TOKEN_SOURCES if any(s in by for t in traces for by in t.predictions.values())]
+    head = ["cache", "slots"] + policies + [f"decayed-lfu+prefetch@{d}" for d in prefetch] + \
+        [f"prefetch@2+{s}" for s in sources] + ["belady (MIN)", "default / MIN"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for pct in sizes:
@@ -94,10 +100,18 @@ def main():
         loads = {}
         for p in policies:
             loads[p] = sum(simulate(t, slots, p).loads for t in traces)
+        def with_demand(results) -> str:                 # all loads (the demand misses among them)
+            results = list(results)
+            return f"{sum(r.loads for r in results)} ({sum(r.demand_loads for r in results)})"
+
         for d in prefetch:
-            loads[f"pf{d}"] = sum(simulate(t, slots, "decayed-lfu", prefetch_distance=d).loads for t in traces)
+            loads[f"pf{d}"] = with_demand(simulate(t, slots, "decayed-lfu", prefetch_distance=d) for t in traces)
+        for src in sources:
+            loads[src] = with_demand(simulate(t, slots, "decayed-lfu", prefetch_distance=2, next_token=src)
+                                     for t in traces)
         loads["belady"] = sum(simulate(t, slots, "belady").loads for t in traces)
         row = [f"{pct}%", str(slots)] + [str(loads[p]) for p in policies] + [str(loads[f"pf{d}"]) for d in prefetch]
+        row += [str(loads[src]) for src in sources]
         row += [str(loads["belady"]), f"{loads['decayed-lfu'] / max(loads['belady'], 1):.2f}x"]
         print("| " + " | ".join(row) + " |")
     recall = {}
@@ -105,9 +119,9 @@ def main():
         for d, r in predictor_recall(t).items():
             recall.setdefault(d, []).append(r)
     print()
-    print("| lookahead (layers) | predictor recall |")
+    print("| lookahead (layers) or next-token source | predictor recall |")
     print("|---|---|")
-    for d, rs in sorted(recall.items()):
+    for d, rs in sorted(recall.items(), key=lambda kv: distance_order(kv[0])):
         print(f"| {d} | {sum(rs) / len(rs):.1%} |")
 
 

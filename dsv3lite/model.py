@@ -499,10 +499,15 @@ class MTPLayer(nn.Module):
         self.block = Block(args, args.mtp_layer_id)
         self.head_norm = RMSNorm(d, args.rms_norm_eps)
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, start, cos, sin, cache=None, absorb=False):
-        """emb: embeddings of the next tokens [B, S, D]; hidden: the main model's final-normed hidden [B, S, D]."""
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, start, cos, sin, cache=None, absorb=False,
+                watchers=()):
+        """emb: embeddings of the next tokens [B, S, D]; hidden: the main model's final-normed hidden [B, S, D].
+        watchers: on_attention callbacks, called after the block's attention as for a main layer."""
         h = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
-        return self.head_norm(self.block(h, start, cos, sin, cache, absorb))
+        h = self.block.attention(h, start, cos, sin, cache, absorb)
+        for fn in watchers:
+            fn(self.block, h)
+        return self.head_norm(self.block.feed_forward(h))
 
 
 class Transformer(nn.Module):
@@ -520,9 +525,9 @@ class Transformer(nn.Module):
             moe.observers = self.observers
 
     def add_observer(self, on_attention=None, on_routing=None) -> "ObserverHandle":
-        """Watch forward passes: on_attention(block, h [B, S, D]) after each main layer's attention (before its
-        feed-forward), on_routing(layer_id, ids [N, K], scores [N, E]) after each MoE router, MTP layer
-        included. Observers run in the order they were added; `handle.remove()` detaches them."""
+        """Watch forward passes: on_attention(block, h [B, S, D]) after each layer's attention (before its
+        feed-forward; the MTP block included, after the main layers), on_routing(layer_id, ids [N, K],
+        scores [N, E]) after each MoE router, MTP layer included. Observers run in the order they were added; `handle.remove()` detaches them."""
         return self.observers.add(on_attention, on_routing)
 
     def blocks(self) -> list[Block]:
@@ -554,7 +559,7 @@ class Transformer(nn.Module):
                    cache: torch.Tensor | None = None, absorb: bool = False) -> torch.Tensor:
         """MTP pass over pairs (hidden_i, t_{i+1}) at positions start..; cache: the MTP layer's own [B, Tmax, latent]."""
         cos, sin = (as_dtype(t, hidden.dtype)[:, None] for t in self.rotary(start, next_tokens.shape[1], hidden.device))
-        return self.mtp(self.embed(next_tokens), hidden, start, cos, sin, cache, absorb)
+        return self.mtp(self.embed(next_tokens), hidden, start, cos, sin, cache, absorb, self.observers.attention)
 
 
 def init_weights(model: Transformer, std: float = 0.02) -> Transformer:

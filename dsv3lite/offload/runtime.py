@@ -22,7 +22,7 @@ from .cache import ExpertCache, HostStore
 from .cpu_worker import CpuJob, CpuWorker
 from .options import MISS_POLICIES, OffloadOptions
 from .policy import make_policy
-from .predictor import RoutePredictor
+from .predictor import RoutePredictor, distance_order
 from .stats import ExpertCacheStats, UseCounts
 
 BULK_WINDOW = 4          # copies kept in flight ahead of compute while streaming a layer in bulk
@@ -145,8 +145,8 @@ class OffloadRuntime:
             else:
                 self.pending.setdefault(target, []).append((distance, chosen))
         self.slots.set_pins(pins)
-        # prefetch nearest layers first, never evicting what is pinned or in flight
-        for target, (distance, rows) in sorted(predicted.items(), key=lambda kv: kv[1][0]):
+        # prefetch nearest layers first (the next token's last), never evicting what is pinned or in flight
+        for target, (distance, rows) in sorted(predicted.items(), key=lambda kv: distance_order(kv[1][0])):
             if distance == 0:
                 continue
             for e in sorted({e for row in rows for e in row}):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .predictor import distance_order
+
 
 @dataclass
 class UseCounts:
@@ -45,7 +47,7 @@ class ExpertCacheStats:
     predictor_precision: float = 0.0
     predictor_recall: float = 0.0
     # beyond the documented keys
-    predictor_by_distance: dict = field(default_factory=dict)   # distance -> {"precision", "recall"}
+    predictor_by_distance: dict = field(default_factory=dict)   # distance or next-token source -> {"precision", "recall"}
     prefetches: int = 0
     prefetches_wasted: int = 0    # prefetched, evicted before any use
     evictions: int = 0
@@ -70,7 +72,7 @@ class ExpertCacheStats:
             stall_ms=copies.stall_s * 1e3, cpu_experts=uses.cpu_experts,
             predictor_precision=tp / pred if pred else 0.0, predictor_recall=tp / act if act else 0.0,
             predictor_by_distance={d: {"precision": r[0] / r[1] if r[1] else 0.0, "recall": r[0] / r[2] if r[2] else 0.0}
-                                   for d, r in sorted(predictor.items())},
+                                   for d, r in sorted(predictor.items(), key=lambda kv: distance_order(kv[0]))},
             prefetches=copies.prefetches,
             per_layer={l: {"hits": c.hits, "prefetch_hits": c.prefetch_hits, "demand_misses": c.demand_misses,
                            "hit_rate": c.hit_rate} for l, c in sorted(per_layer.items())},

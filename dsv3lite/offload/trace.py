@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .policy import Key, Policy, make_policy
-from .predictor import RoutePredictor
+from .predictor import NEXT_TOKEN_SOURCES, RoutePredictor
 from .slots import SlotTable
 
 
@@ -23,7 +23,7 @@ class TraceRecorder:
     (a model observer; detach() removes it)."""
 
     def __init__(self, model, lookahead: int = 3):
-        self.predictor = RoutePredictor(model, lookahead)
+        self.predictor = RoutePredictor(model, lookahead, next_token=NEXT_TOKEN_SOURCES)   # every source, measured
         self.first_layer = model.layers[0]
         self.events: list[dict] = []
         self.step = -1
@@ -38,7 +38,8 @@ class TraceRecorder:
             self.step += 1
         tokens = h.shape[0] * h.shape[1]
         for target, (distance, rows) in self.predictor.predict(layer, h).items():
-            self.events.append({"step": self.step, "phase": self.phase, "tokens": tokens, "layer": target,
+            step = self.step + (not isinstance(distance, int))     # a next-token source predicts the next step
+            self.events.append({"step": step, "phase": self.phase, "tokens": tokens, "layer": target,
                                 "distance": distance, "ids": rows})
 
     def write(self, path: str | Path, meta: dict) -> None:
@@ -52,7 +53,7 @@ class TraceRecorder:
 class Trace:
     meta: dict
     accesses: list[tuple[int, list[Key]]]                     # (step, keys of one layer), decode order
-    predictions: dict[tuple[int, int], dict[int, set[int]]]   # (step, layer) -> {distance: predicted ids}
+    predictions: dict[tuple[int, int], dict[int | str, set[int]]]   # (step, layer) -> {distance or source: ids}
 
 
 def read_trace(path: str | Path, phase: str = "decode") -> Trace:
@@ -114,17 +115,29 @@ class Belady(Policy):
         return -uses[0] if uses else -(1 << 60)
 
 
-def simulate(trace: Trace, slots: int, policy: str, prefetch_distance: int = 0) -> SimResult:
+def simulate(trace: Trace, slots: int, policy: str, prefetch_distance: int = 0,
+             next_token: str | None = None) -> SimResult:
     """Replay decode accesses through the runtime's slot table. policy: lru | lfu | decayed-lfu | belady.
     prefetch_distance d > 0 loads the experts predicted d layers ahead (as the runtime does) before they are
-    needed (not with belady, which is the bound for demand paging)."""
+    needed (not with belady, which is the bound for demand paging); next_token (a predictor.NEXT_TOKEN_SOURCES
+    label) also loads, at the end of each step, what that source predicted for the next step's layers."""
     if policy == "belady":
         table = SlotTable(slots, Belady([k for _, keys in trace.accesses for k in keys]))
-        prefetch_distance = 0
+        prefetch_distance, next_token = 0, None
     else:
         table = SlotTable(slots, make_policy(policy))
-    res = SimResult(policy if not prefetch_distance else f"{policy}+prefetch@{prefetch_distance}", slots)
-    for step, keys in trace.accesses:
+    name = policy + (f"+prefetch@{prefetch_distance}" if prefetch_distance else "") + \
+        (f"+{next_token}" if next_token else "")
+    res = SimResult(name, slots)
+    next_layers = sorted({layer for (_, layer), by in trace.predictions.items() if next_token in by})
+
+    def prefetch(want: set, keep: set) -> None:
+        table.set_pins(keep | want)
+        for key in sorted(k for k in want if k not in table):
+            if table.allocate(key, "prefetch") is not None:
+                res.prefetch_loads += 1
+
+    for i, (step, keys) in enumerate(trace.accesses):
         table.advance(step)
         table.set_pins(keys)                  # the keys of the current access are never evicted
         for key in keys:
@@ -140,11 +153,10 @@ def simulate(trace: Trace, slots: int, policy: str, prefetch_distance: int = 0) 
                 predicted = trace.predictions.get((step, target), {}).get(d)
                 if not predicted:
                     continue
-                want = {(target, e) for e in predicted}
-                table.set_pins(set(keys) | want)
-                for key in sorted(k for k in want if k not in table):
-                    if table.allocate(key, "prefetch") is not None:
-                        res.prefetch_loads += 1
+                prefetch({(target, e) for e in predicted}, set(keys))
+        if next_token and (i + 1 == len(trace.accesses) or trace.accesses[i + 1][0] != step):
+            by_layer = [(l, trace.predictions.get((step + 1, l), {}).get(next_token)) for l in next_layers]
+            prefetch({(l, e) for l, ids in by_layer if ids for e in ids}, set())
     res.wasted_prefetches, res.evictions = table.wasted_prefetches, table.evictions
     res.resident = tuple(sorted(table.resident_keys()))
     return res
