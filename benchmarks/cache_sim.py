@@ -61,6 +61,28 @@ def predictor_recall(trace) -> dict[int, float]:
     return {d: hit[d] / total[d] for d in total}
 
 
+def copy_queue_table(traces, meta, total_experts, sizes, layer_s, copy_s, batches=(1, 2, 4, 8)) -> None:
+    """Stall per token (ms) under decayed-LFU with prefetch two layers ahead, one copy engine in issue order."""
+    from dsv3lite.offload.trace import CopyTiming, simulate
+
+    steps = sum(len({s for s, _ in t.accesses}) for t in traces)
+    print()
+    print(f"# copy queue: {layer_s * 1e3:.2f} ms per MoE layer, {copy_s * 1e3:.2f} ms per expert copy; stall per "
+          f"token in ms (demand misses per token)")
+    head = ["cache", "slots", "no prefetch", "all at once, ahead of demand"] + [f"batch {b}, behind demand"
+                                                                              for b in batches]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for pct in sizes:
+        slots = max(meta["top_k"], round(total_experts * pct / 100))
+        cells = []
+        for d, batch in [(0, None), (2, None)] + [(2, b) for b in batches]:
+            rs = [simulate(t, slots, "decayed-lfu", prefetch_distance=d, timing=CopyTiming(layer_s, copy_s, batch))
+                  for t in traces]
+            cells.append(f"{sum(r.stall_s for r in rs) / steps * 1e3:.1f} ({sum(r.demand_loads for r in rs) / steps:.1f})")
+        print("| " + " | ".join([f"{pct}%", str(slots)] + cells) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", action="append", help="trace file(s) from `dsv3lite trace` (default: make them)")
@@ -69,6 +91,12 @@ def main():
     ap.add_argument("--sizes", default="10,20,25,30,40,50", help="cache sizes, percent of all routed experts")
     ap.add_argument("--lookahead", type=int, default=3)
     ap.add_argument("--mtp", action="store_true", help="trace with MTP drafting (the MTP layer's experts too)")
+    ap.add_argument("--copy-queue", action="store_true",
+                    help="also model one copy engine in time: stall per token with prefetches queued all at once "
+                         "ahead of demand copies vs in batches behind them")
+    ap.add_argument("--layer-ms", type=float, default=0.35, help="device time of one MoE layer (copy-queue model)")
+    ap.add_argument("--copy-ms", type=float, default=0.47,
+                    help="one expert over PCIe (copy-queue model; default: a DeepSeek-V3 int4 expert at 50 GB/s)")
     args = ap.parse_args()
 
     from dsv3lite.offload.predictor import NEXT_TOKEN_SOURCES, distance_order
@@ -114,6 +142,8 @@ def main():
         row += [str(loads[src]) for src in sources]
         row += [str(loads["belady"]), f"{loads['decayed-lfu'] / max(loads['belady'], 1):.2f}x"]
         print("| " + " | ".join(row) + " |")
+    if args.copy_queue:
+        copy_queue_table(traces, meta, total_experts, sizes, args.layer_ms / 1e3, args.copy_ms / 1e3)
     recall = {}
     for t in traces:
         for d, r in predictor_recall(t).items():

@@ -84,3 +84,16 @@ def test_simulated_next_token_prefetch_removes_the_first_layers_misses():
     assert ahead.demand_loads == 7 and ahead.prefetch_loads == 6          # layer 1 misses only at step 0 (the
     # last prefetch is for a step the trace does not have)
     assert ahead.uses == plain.uses and ahead.wasted_prefetches == 0
+
+
+def test_copy_queue_model_demand_copies_wait_behind_queued_prefetches_unless_batched():
+    from dsv3lite.offload.trace import CopyTiming
+
+    # layer 1 misses one expert; after its attention the router predicts eight experts of layer 2
+    trace = Trace({}, [(0, [(1, 0)]), (0, [(2, 0)])], {(0, 2): {1: set(range(8))}})
+    ahead = simulate(trace, 16, "lru", prefetch_distance=1, timing=CopyTiming(layer_s=1.0, copy_s=1.0))
+    assert ahead.stall_s == 9.0 and ahead.prefetch_loads == 8     # the demand copy ran after all eight
+    batched = simulate(trace, 16, "lru", prefetch_distance=1, timing=CopyTiming(layer_s=1.0, copy_s=1.0, batch=2))
+    # demand first (ready at 1); two prefetches behind it (2, 3); at the layer's end (t=2) one finished: a third
+    assert batched.stall_s == 1.0 and batched.prefetch_loads == 3
+    assert simulate(trace, 16, "lru", prefetch_distance=1).stall_s == 0.0   # no timing: loads only

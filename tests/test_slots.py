@@ -113,7 +113,8 @@ class ScanTable:
 
 
 def ref_simulate(trace, slots, policy, prefetch_distance=0):
-    """The old simulator (dict of resident keys, scan victims), LRU / LFU / decayed-LFU."""
+    """The old simulator (dict of resident keys, scan victims), LRU / LFU / decayed-LFU, with the runtime's pins:
+    the keys predicted for the layers ahead are pinned with the current ones (demand loads may unpin them)."""
     pol = OLD_POLICIES[policy]()
     resident = {}
     out = {"uses": 0, "demand": 0, "prefetch": 0, "wasted": 0}
@@ -132,7 +133,12 @@ def ref_simulate(trace, slots, policy, prefetch_distance=0):
         return True
 
     for step, keys in trace.accesses:
-        pinned = set(keys)
+        want = []
+        if prefetch_distance and keys:
+            layer = keys[0][0]
+            for d in range(1, prefetch_distance + 1):
+                want += sorted((layer + d, e) for e in trace.predictions.get((step, layer + d), {}).get(d, ()))
+        pinned = set(keys) | set(want)          # the runtime pins predicted keys with the current ones
         for key in keys:
             out["uses"] += 1
             pol.touch(key, step)
@@ -140,16 +146,11 @@ def ref_simulate(trace, slots, policy, prefetch_distance=0):
                 resident[key] = False
             else:
                 out["demand"] += 1
-                load(key, step, pinned, False)
-        if prefetch_distance and keys:
-            layer = keys[0][0]
-            for d in range(1, prefetch_distance + 1):
-                predicted = trace.predictions.get((step, layer + d), {}).get(d)
-                if predicted:
-                    want = {(layer + d, e) for e in predicted}
-                    for key in sorted(want - set(resident)):
-                        if load(key, step, pinned | want, True):
-                            out["prefetch"] += 1
+                if not load(key, step, pinned, False):
+                    load(key, step, set(keys), False)     # demand outranks predictions
+        for key in want:
+            if key not in resident and load(key, step, pinned, True):
+                out["prefetch"] += 1
     return out, tuple(sorted(resident))
 
 

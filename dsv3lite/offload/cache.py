@@ -156,6 +156,13 @@ class ExpertCache:
                 if self.ready[slot] is end:
                     self.slots.mark_ready(key)
 
+    def prefetches_queued(self) -> int:
+        """Prefetch copies issued and not yet finished (CPU: copies are synchronous, none)."""
+        if not self.cuda:
+            return 0
+        self._retire()
+        return len(self.copies[self.prefetch_stream])
+
     def collect_copy_time(self) -> None:
         """Fold finished CUDA copies' durations into copy_s (cheap; called once per layer)."""
         if self.cuda:

@@ -87,6 +87,7 @@ class SimResult:
     wasted_prefetches: int = 0
     evictions: int = 0
     resident: tuple[Key, ...] = ()          # the pool at the end, sorted
+    stall_s: float = 0.0                    # time layers waited for copies (with a CopyTiming)
 
     @property
     def loads(self) -> int:
@@ -115,12 +116,25 @@ class Belady(Policy):
         return -uses[0] if uses else -(1 << 60)
 
 
+@dataclass(frozen=True)
+class CopyTiming:
+    """Time model of one copy engine: copies run one at a time in issue order (queued DMA is not reordered by
+    stream priority), each `copy_s`; a layer computes for `layer_s` once its experts are in. batch None: a layer's
+    prefetches are queued all at once, ahead of its demand copies (the order the runtime used to issue them);
+    batch B: behind its demand copies, at most B prefetches on the engine at a time (the runtime's
+    PREFETCH_BATCH), the rest issued as earlier ones finish (checked when a layer starts and ends)."""
+    layer_s: float
+    copy_s: float
+    batch: int | None = None
+
+
 def simulate(trace: Trace, slots: int, policy: str, prefetch_distance: int = 0,
-             next_token: str | None = None) -> SimResult:
+             next_token: str | None = None, timing: CopyTiming | None = None) -> SimResult:
     """Replay decode accesses through the runtime's slot table. policy: lru | lfu | decayed-lfu | belady.
-    prefetch_distance d > 0 loads the experts predicted d layers ahead (as the runtime does) before they are
+    prefetch_distance d > 0 loads the experts predicted 1..d layers ahead (as the runtime does) before they are
     needed (not with belady, which is the bound for demand paging); next_token (a predictor.NEXT_TOKEN_SOURCES
-    label) also loads, at the end of each step, what that source predicted for the next step's layers."""
+    label) also loads, at the end of each step, what that source predicted for the next step's layers. Predicted
+    keys are pinned with the current ones. timing: also count the time layers wait for copies (stall_s)."""
     if policy == "belady":
         table = SlotTable(slots, Belady([k for _, keys in trace.accesses for k in keys]))
         prefetch_distance, next_token = 0, None
@@ -130,33 +144,70 @@ def simulate(trace: Trace, slots: int, policy: str, prefetch_distance: int = 0,
         (f"+{next_token}" if next_token else "")
     res = SimResult(name, slots)
     next_layers = sorted({layer for (_, layer), by in trace.predictions.items() if next_token in by})
+    now = engine = 0.0                 # the clock and when the copy engine is next free
+    ready: dict[Key, float] = {}       # when each key's copy ends
+    prefetch_ends: deque[float] = deque()
+    queue: list[Key] = []              # predicted keys not yet issued, nearest first
 
-    def prefetch(want: set, keep: set) -> None:
-        table.set_pins(keep | want)
-        for key in sorted(k for k in want if k not in table):
-            if table.allocate(key, "prefetch") is not None:
-                res.prefetch_loads += 1
+    def copy(key: Key, kind: str) -> bool:
+        nonlocal engine
+        if table.allocate(key, kind) is None:
+            return False
+        if timing is not None:
+            engine = max(engine, now) + timing.copy_s
+            ready[key] = engine
+            if kind == "prefetch":
+                prefetch_ends.append(engine)
+        return True
 
+    def issue() -> None:
+        while queue:
+            if timing is not None and timing.batch is not None:
+                while prefetch_ends and prefetch_ends[0] <= now:
+                    prefetch_ends.popleft()
+                if len(prefetch_ends) >= timing.batch:
+                    return
+            key = queue.pop(0)
+            if key in table:
+                continue
+            if not copy(key, "prefetch"):
+                queue.clear()                # every slot is pinned
+                return
+            res.prefetch_loads += 1
+
+    def predicted(i: int, step: int, layer: int) -> list[Key]:
+        want: list[Key] = []
+        for d in range(1, prefetch_distance + 1):
+            want += [(layer + d, e) for e in sorted(trace.predictions.get((step, layer + d), {}).get(d, ()))]
+        if next_token and (i + 1 == len(trace.accesses) or trace.accesses[i + 1][0] != step):
+            for l in next_layers:
+                want += [(l, e) for e in sorted(trace.predictions.get((step + 1, l), {}).get(next_token, ()))]
+        return list(dict.fromkeys(want))
+
+    early = timing is not None and timing.batch is None
     for i, (step, keys) in enumerate(trace.accesses):
         table.advance(step)
-        table.set_pins(keys)                  # the keys of the current access are never evicted
+        want = predicted(i, step, keys[0][0]) if keys else []
+        table.set_pins(set(keys) | set(want))         # the current keys and the predicted ones are not evicted
+        queue[:] = want
+        if early:
+            issue()
         for key in keys:
             res.uses += 1
             if table.use(key) is None:
                 res.demand_loads += 1
-                table.allocate(key, "demand")
-        if prefetch_distance and keys:
-            # what the runtime prefetches after this layer's attention: predictions for layer + d
-            layer = keys[0][0]
-            for d in range(1, prefetch_distance + 1):
-                target = layer + d
-                predicted = trace.predictions.get((step, target), {}).get(d)
-                if not predicted:
-                    continue
-                prefetch({(target, e) for e in predicted}, set(keys))
-        if next_token and (i + 1 == len(trace.accesses) or trace.accesses[i + 1][0] != step):
-            by_layer = [(l, trace.predictions.get((step + 1, l), {}).get(next_token)) for l in next_layers]
-            prefetch({(l, e) for l, ids in by_layer if ids for e in ids}, set())
+                if not copy(key, "demand"):
+                    table.set_pins(keys)              # demand outranks predictions (the runtime's keep_pins)
+                    copy(key, "demand")
+        if timing is not None:
+            done = max((ready.get(k, 0.0) for k in keys), default=now)
+            res.stall_s += max(0.0, done - now)
+            now = max(now, done)
+        if not early:
+            issue()
+        if timing is not None:
+            now += timing.layer_s
+            issue()
     res.wasted_prefetches, res.evictions = table.wasted_prefetches, table.evictions
     res.resident = tuple(sorted(table.resident_keys()))
     return res
