@@ -27,7 +27,7 @@ from .stats import ExpertCacheStats, UseCounts
 
 BULK_WINDOW = 4          # copies kept in flight ahead of compute while streaming a layer in bulk
 PREFETCH_BATCH = 2       # prefetch copies queued on the copy engine at once (benchmarks/cache_sim.py --copy-queue:
-                         # within 13% of the best batch at 0.47 and 0.1 ms per copy, never worse than all at once)
+                         # within 14% of the best batch at 0.47 and 0.1 ms per copy, never worse than all at once)
 
 
 class CostModel:
