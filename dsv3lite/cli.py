@@ -430,14 +430,20 @@ def info(weights, as_json, dense):
               help="int4 group size along the input dimension.")
 @click.option("--dense", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
               help="Non-expert weights: bf16, or keep an FP8 source's FP8 tensors.")
+@click.option("--fast/--no-fast", default=False, show_default=True,
+              help="int4: skip the clipping search (plain min/max range per group; quicker, a little less exact).")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the quantization arithmetic runs: auto (CUDA when available), cpu, cuda or cuda:N. "
+                   "The output is the same on every device.")
 @click.option("--force", is_flag=True, help="Replace an existing DST.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from DST.partial/.")
-def quantize(src, dst, experts, group_size, dense, force, resume):
-    """Write SRC (HF checkpoint) to DST with routed experts as one packed blob each (expert-major)."""
+def quantize(src, dst, experts, group_size, dense, fast, device, force, resume):
+    """Write SRC (HF checkpoint) to DST with routed experts as one packed blob each (expert-major), experts
+    quantized in parallel on every CPU thread (or on the GPU), with an ETA."""
     from .quant.checkpoint import quantize_checkpoint
 
     quantize_checkpoint(src, dst, experts=experts, group_size=int(group_size), dense=dense, force=force,
-                        resume=resume, progress=True, log=log)
+                        resume=resume, progress=True, log=log, fast=fast, device=device)
 
 
 @cli.command("convert-tokenizer", short_help="tokenizer.json from tiktoken.model (Kimi).")

@@ -15,13 +15,18 @@ DST.partial/ (progress.json there records the finished layers) and is renamed to
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
+import itertools
 import json
 import os
 import re
 import shutil
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +37,7 @@ from ..config import ModelArgs
 from ..errors import UserError
 from ..hf_checkpoint import (FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader, check_fp8_scale,
                              expert_tensor_name, map_name, mtp_status)
-from ..utils import checkpoint_dir, format_bytes, terminal_bar_fits
+from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits
 from .formats import format_for_layout, get_format
 from .fp8 import fp8_block_dequant
 from .layout import MATRICES, BlobLayout, ExpertFormat
@@ -64,17 +69,88 @@ def _natural_key(name: str):
 
 # ---- packing experts from the source (read one tensor at a time by hf_checkpoint.TensorReader) ----------------
 
-def pack_expert(reader: TensorReader, layer_id: int, expert: int, fmt: ExpertFormat, layout: BlobLayout,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """One expert of the source as a blob of `fmt`. FP8 source + fp8 format: bytes and scales copied verbatim;
-    otherwise FP8 weights are dequantized the project's one way (bf16(fp32(w) * s)) and then quantized."""
-    weights = [reader.weight(expert_tensor_name(layer_id, expert, p), layout.matrix_shape(m))
-               for p, m in zip(PROJECTIONS, MATRICES)]
+def read_expert(reader: TensorReader, layer_id: int, expert: int, layout: BlobLayout):
+    """(weight, FP8 scale_inv or None) of gate, up and down of one routed expert, shapes checked."""
+    return [reader.weight(expert_tensor_name(layer_id, expert, p), layout.matrix_shape(m))
+            for p, m in zip(PROJECTIONS, MATRICES)]
+
+
+def pack_weights(weights, fmt: ExpertFormat, layout: BlobLayout, out: torch.Tensor | None = None,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """One expert's `read_expert` weights as a blob of `fmt` (on the CPU, in `out` if given). FP8 source + fp8
+    format: bytes and scales copied verbatim; otherwise FP8 weights are dequantized the project's one way
+    (bf16(fp32(w) * s)) and then quantized, the arithmetic on `device` (default: the CPU)."""
     if fmt.fp8_passthrough and all(s is not None for _, s in weights):
         (gw, gs), (uw, us), (dw, ds) = weights
         return fmt.pack_prequantized(gw, gs, uw, us, dw, ds, out=out)
-    dense = [w if s is None else fp8_block_dequant(w, s, torch.bfloat16) for w, s in weights]
-    return fmt.pack(*dense, out=out)
+    on_device = device is not None and device.type != "cpu"
+    if on_device:
+        weights = [(w.to(device), None if s is None else s.to(device)) for w, s in weights]
+    if hasattr(fmt, "pack_fp8") and all(s is not None for _, s in weights):
+        blob = fmt.pack_fp8(weights, out=None if on_device else out)    # dequantized inside, chunk by chunk
+    else:
+        dense = [w if s is None else fp8_block_dequant(w, s, torch.bfloat16) for w, s in weights]
+        blob = fmt.pack(*dense, out=None if on_device else out)
+    if not on_device:
+        return blob
+    return blob.cpu() if out is None else out.copy_(blob)
+
+
+def pack_expert(reader: TensorReader, layer_id: int, expert: int, fmt: ExpertFormat, layout: BlobLayout,
+                out: torch.Tensor | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """One expert of the source as a blob of `fmt` (see pack_weights)."""
+    return pack_weights(read_expert(reader, layer_id, expert, layout), fmt, layout, out, device)
+
+
+def pack_experts(reader: TensorReader, jobs, fmt: ExpertFormat, layout: BlobLayout, device: torch.device | None = None,
+                 workers: int = 1, outs=None):
+    """Yield ((layer, expert), blob) for each of `jobs` [(layer, expert), ...] in order. With workers > 1, that
+    many experts are read and quantized at once in threads (torch ops and pread release the GIL) while the caller
+    writes the blobs already yielded; `outs(layer, expert)` gives the tensor to fill, else each blob is new.
+    Every blob is what pack_expert gives: the threads change the order of work, never its arithmetic."""
+    out_for = outs or (lambda layer, e: None)
+    if workers <= 1:
+        for layer, e in jobs:
+            yield (layer, e), pack_expert(reader, layer, e, fmt, layout, out_for(layer, e), device)
+        return
+    read_lock = threading.Lock()               # one reader at a time: TensorReader opens shards lazily
+
+    def job(layer, e):
+        with read_lock:
+            weights = read_expert(reader, layer, e, layout)
+        return pack_weights(weights, fmt, layout, out_for(layer, e), device)
+
+    todo, pending = iter(jobs), collections.deque()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="quantize")
+    try:
+        for j in itertools.islice(todo, workers + 1):      # one expert read ahead of the busy workers
+            pending.append((j, pool.submit(job, *j)))
+        while pending:
+            j, future = pending.popleft()
+            blob = future.result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append((nxt, pool.submit(job, *nxt)))
+            yield j, blob
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def default_workers(device: torch.device) -> int:
+    """Experts in flight: one per torch CPU thread on the CPU; two on a GPU (one reads while one computes)."""
+    return torch.get_num_threads() if device.type == "cpu" else 2
+
+
+@contextlib.contextmanager
+def _one_torch_thread_each(workers: int, device: torch.device):
+    """Workers on the CPU each run their ops on one thread (their own core) rather than all sharing torch's pool."""
+    threads = torch.get_num_threads()
+    if workers > 1 and device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _check_layout(fmt: ExpertFormat, layout: BlobLayout, args: ModelArgs) -> None:
@@ -91,8 +167,9 @@ def quantize_layer_from_hf(root_or_index, args: ModelArgs, layer_id: int, fmt: E
     _check_layout(fmt, layout, args)
     blobs = torch.empty(args.n_routed_experts, layout.blob_bytes, dtype=torch.uint8)
     with TensorReader(index) as reader:
-        for e in range(args.n_routed_experts):
-            pack_expert(reader, layer_id, e, fmt, layout, out=blobs[e])
+        for _ in pack_experts(reader, [(layer_id, e) for e in range(args.n_routed_experts)], fmt, layout,
+                              outs=lambda layer, e: blobs[e]):
+            pass
     return blobs
 
 
@@ -225,7 +302,8 @@ class QuantizePlan:
         return dst.parent / (dst.name + ".partial")
 
     def options(self) -> dict:
-        return {"experts": self.fmt.name, "group_size": self.fmt.group_size, "dense": self.dense}
+        return {"experts": self.fmt.name, "group_size": self.fmt.group_size, "dense": self.dense,
+                "clip_search": getattr(self.fmt, "clip_search", None) is not False}
 
     def dense_file_entries(self):
         return [(e.name, e.dtype, e.shape) for e in self.dense_entries]
@@ -253,8 +331,10 @@ def _check_paths(src: Path, dst: Path) -> None:
         raise UserError(f"SRC {src} is inside DST {dst}: choose another DST")
 
 
-def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense: str = "bf16") -> QuantizePlan:
-    """Check every input and work out both output headers; reads only config.json and safetensors headers."""
+def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense: str = "bf16",
+                  fast: bool = False) -> QuantizePlan:
+    """Check every input and work out both output headers; reads only config.json and safetensors headers.
+    `fast`: int4 without its clipping search (plain min/max ranges per group)."""
     src, dst = checkpoint_dir(src, "source checkpoint"), Path(dst).expanduser()
     if is_quantized_dir(src):
         raise UserError(f"{src} is already dsv3lite-quantized: quantize reads HF checkpoints")
@@ -265,6 +345,8 @@ def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense:
         raise UserError(f"unknown dense dtype {dense!r}: use bf16 or fp8")
     fmt = get_format(experts, group_size)
     fmt.check_available()                        # fail now, not after the dense weights are written
+    if fast and hasattr(fmt, "clip_search"):
+        fmt.clip_search = False
     args = ModelArgs.from_dir(src)
     index = CheckpointIndex.open(src)
     layout = fmt.layout(args.moe_intermediate_size, args.hidden_size)
@@ -284,6 +366,8 @@ def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense:
                         f"(it is not an FP8 checkpoint): use --dense bf16")
     notes = [f"note: {src} has no MTP layer (model.layers.{args.mtp_layer_id}.*), so the output has none"] \
         if notice else []
+    if fast and not hasattr(fmt, "clip_search"):
+        notes.append(f"note: --fast skips int4's clipping search; {fmt.name} has none, so it changes nothing")
     return QuantizePlan(src, dst, args, index, fmt, layout, dense, moe_layers, entries, "sha256:" + digest.hexdigest(),
                 expert_bytes, notes)
 
@@ -345,15 +429,23 @@ def _stderr(msg: str) -> None:
 
 
 def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, dense: str = "bf16",
-                        force: bool = False, resume: bool = False, progress: bool = True, log=None) -> Path:
+                        force: bool = False, resume: bool = False, progress: bool = True, log=None,
+                        fast: bool = False, device="auto", workers: int | None = None) -> Path:
     """Write HF checkpoint `src` to `dst` with routed experts as expert-major blobs (see the module docstring).
 
     Refuses an existing DST unless `force` (and never removes a directory it did not write); `resume` continues
     DST.partial/ after its last finished layer. Ctrl-C raises QuantizeInterrupted (a UserError) with one line.
+    `fast`: int4 without the clipping search. `device`: where the quantization arithmetic runs (auto: CUDA when
+    available); the blobs are the same on every device. `workers`: experts quantized at once (default: one per
+    torch CPU thread, two on a GPU); the blobs are the same for any number.
     """
     log = log or _stderr
     t_start = time.perf_counter()
-    plan = plan_quantize(src, dst, experts, group_size, dense)
+    dev = resolve_device(device)
+    workers = default_workers(dev) if workers is None else workers
+    if workers < 1:
+        raise UserError(f"workers must be at least 1, got {workers}")
+    plan = plan_quantize(src, dst, experts, group_size, dense, fast)
     state = _prepare_dirs(plan, force, resume, log)
     for note in plan.notes:
         log(note)
@@ -367,7 +459,7 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
                 _write_dense(plan, reader, progress)
                 state["dense_done"] = True
                 _save_progress(plan.partial, state)
-            _write_experts(plan, reader, state, progress, log)
+            _write_experts(plan, reader, state, progress, log, dev, workers)
     except KeyboardInterrupt:
         done = len(state["layers_done"])
         raise QuantizeInterrupted(f"interrupted with {done} of {n_layers} MoE layers done in {plan.partial}: "
@@ -406,8 +498,9 @@ def _prepare_dirs(plan: QuantizePlan, force: bool, resume: bool, log) -> dict:
                             f"start over with --force")
         if state.get("options") != plan.options():
             o = state.get("options") or {}
+            fast = " --fast" if o.get("clip_search") is False else ""
             raise UserError(f"cannot resume {partial}: it was started with --experts {o.get('experts')} "
-                            f"(group {o.get('group_size')}) --dense {o.get('dense')}; rerun with those or "
+                            f"(group {o.get('group_size')}) --dense {o.get('dense')}{fast}; rerun with those or "
                             f"start over with --force")
         TensorFileWriter.reopen(partial / DENSE_FILE, plan.dense_file_entries(), {"format": "pt"}).close()
         TensorFileWriter.reopen(partial / EXPERTS_FILE, plan.experts_file_entries(), plan.experts_metadata()).close()
@@ -460,35 +553,53 @@ def _write_dense(plan: QuantizePlan, reader: TensorReader, progress: bool) -> No
         out.sync()
 
 
-def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progress: bool, log) -> None:
+def format_duration(seconds: float) -> str:
+    """"45 s", "12 min", "3 h 05 min"."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progress: bool, log,
+                   device: torch.device, workers: int) -> None:
     from tqdm import tqdm
 
     n_experts = plan.args.n_routed_experts
     todo = [i for i in plan.moe_layers if i not in state["layers_done"]]
+    total = len(todo) * n_experts
     bar_fits = terminal_bar_fits()
     pause_after = int(os.environ.get(PAUSE_ENV) or -1)
-    blob = torch.empty(plan.layout.blob_bytes, dtype=torch.uint8)
-    t0, done_bytes = time.perf_counter(), 0
+    jobs = [(layer, e) for layer in todo for e in range(n_experts)]
+    where = f"{workers} worker{'s' if workers != 1 else ''} on {device.type}"
+    t0, done, done_bytes = time.perf_counter(), 0, 0
     with TensorFileWriter.reopen(plan.partial / EXPERTS_FILE, plan.experts_file_entries(),
                                  plan.experts_metadata()) as out, \
             tqdm(total=len(plan.moe_layers) * n_experts, initial=len(state["layers_done"]) * n_experts,
                  desc=f"{plan.fmt.name} experts", unit="expert", file=sys.stderr, dynamic_ncols=True,
-                 disable=not (progress and bar_fits)) as bar:
-        for layer in todo:
-            for e in range(n_experts):
-                pack_expert(reader, layer, e, plan.fmt, plan.layout, out=blob)
-                out.write_row(blob_name(layer), e, blob)
-                done_bytes += plan.expert_src_bytes
-                bar.set_postfix_str(f"layer {layer}, {format_bytes(done_bytes / (time.perf_counter() - t0))}/s",
-                                    refresh=False)
-                bar.update(1)
+                 disable=not (progress and bar_fits)) as bar, \
+            _one_torch_thread_each(workers, device):
+        say = bar.write if progress and bar_fits else log
+        for (layer, e), blob in pack_experts(reader, jobs, plan.fmt, plan.layout, device, workers):
+            out.write_row(blob_name(layer), e, blob)
+            done, done_bytes = done + 1, done_bytes + plan.expert_src_bytes
+            elapsed = time.perf_counter() - t0
+            eta = (total - done) * elapsed / done
+            if done == min(total, max(workers, 2)):  # the first experts timed: the ETA up front
+                say(f"{plan.fmt.label} experts: {elapsed / done:.2f} s per expert ({where}), {total} to pack: "
+                    f"ETA {format_duration(eta)}")
+            bar.set_postfix_str(f"layer {layer}, {format_bytes(done_bytes / elapsed)}/s, "
+                                f"ETA {format_duration(eta)}", refresh=False)
+            bar.update(1)
+            if e < n_experts - 1:
+                continue
             out.sync()                            # the layer is on disk before progress.json says so
             state["layers_done"].append(layer)
             _save_progress(plan.partial, state)
             if progress and not bar_fits:          # no bar in a log file or a zero-width terminal: one line per layer
-                k, rate = len(state["layers_done"]), done_bytes / (time.perf_counter() - t0)
-                eta = (len(plan.moe_layers) - k) * n_experts * plan.expert_src_bytes / rate
-                log(f"layer {layer} done ({k}/{len(plan.moe_layers)}), {format_bytes(rate)}/s, ETA {eta / 60:.0f} min")
+                k = len(state["layers_done"])
+                log(f"layer {layer} done ({k}/{len(plan.moe_layers)}), {format_bytes(done_bytes / elapsed)}/s, "
+                    f"ETA {format_duration(eta)}")
             if len(state["layers_done"]) == pause_after:
                 log(f"{PAUSE_ENV}: paused after {pause_after} layer(s)")
                 time.sleep(3600)

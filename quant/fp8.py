@@ -37,17 +37,38 @@ def fp8_block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> float32, exactly as q.float(), by bit arithmetic (torch's own conversion is scalar on CPU,
+    about 8x slower): the sign and the 7 exponent-mantissa bits moved into a float16's bits give the value / 256
+    (e4m3's subnormals land on float16's), then float32 and an exact * 256."""
+    x = q.view(torch.int8).to(torch.int16)     # sign-extended: bits 15..7 are the sign
+    x <<= 7
+    x &= -16385                                # clear bit 14 (a copy of the sign): s 0eeee mmm 0000000
+    w = x.view(torch.float16).float().mul_(256.0)
+    lo, hi = torch.aminmax(w)
+    if max(-lo.item(), hi.item()) > FP8_MAX:   # only the NaN codes (0x7f, 0xff) decode past 448 (as 480)
+        w = torch.where(w.abs() > FP8_MAX, torch.nan, w)
+    return w
+
+
 def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """bf16(fp32(q) * s[i // 128, j // 128]) cast to `dtype`; q [N, K] float8_e4m3fn, s float32 block grid."""
     n, k = q.shape
     if tuple(s.shape) != scale_grid_shape(n, k):
         raise ValueError(f"scale grid {tuple(s.shape)} does not fit weight {(n, k)}: expected {scale_grid_shape(n, k)}")
     s = s.float()
-    if n % BLOCK == 0 and k % BLOCK == 0:     # whole blocks: broadcast each scale over its block, no expanded copy
-        w = (q.float().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK) * s[:, None, :, None]).view(n, k)
-    else:
-        w = q.float() * expand_block_scales(s, n, k)
-    return w.to(torch.bfloat16).to(dtype)
+    out = torch.empty(n, k, dtype=dtype, device=q.device)
+    # one block row at a time on CPU (its fp32 copy stays in cache), the whole matrix at once on a GPU
+    rows = BLOCK if q.device.type == "cpu" else n
+    for i in range(0, n, rows):
+        w = e4m3_to_float(q[i:i + rows])
+        r, sr = w.shape[0], s[i // BLOCK:-(-(i + rows) // BLOCK)]
+        if k % BLOCK == 0:                     # whole column blocks: each scale broadcast over its block
+            w.view(r, k // BLOCK, BLOCK).mul_(sr.repeat_interleave(BLOCK, dim=0)[:r, :, None])
+        else:
+            w.mul_(expand_block_scales(sr, r, k))
+        out[i:i + r] = w if dtype == torch.bfloat16 else w.to(torch.bfloat16)
+    return out
 
 
 class Fp8Format(ExpertFormat):

@@ -14,19 +14,39 @@ the candidate with the least squared reconstruction error, evaluated with the fp
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import UserError
-from .layout import ExpertFormat
+from .fp8 import BLOCK, fp8_block_dequant
+from .layout import MATRICES, ExpertFormat
 
 GROUP_SIZES = (32, 64, 128)
 QMAX = 15
-SHRINK_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5, both ends together
-END_STEPS = tuple(0.05 * d for d in (-3, -2, -1, 1, 2, 3))  # then each end on its own around the best ratio
 MIN_RATIO = 0.3
 FP16_TINY = 2.0 ** -24  # smallest positive float16
-CHUNK_ELEMENTS_CPU = 1 << 18
+CHUNK_ELEMENTS_CPU = 1 << 16  # a row chunk and its two temporaries stay in a core's L2
 CHUNK_ELEMENTS_GPU = 1 << 26
+
+
+@dataclass(frozen=True)
+class ClipSearch:
+    """Candidate ranges per group: [min, max] shrunk by each of `shrink` (both ends together), then each end on
+    its own moved by each of `end_steps` around the best ratio so far (lower end first)."""
+    shrink: tuple[float, ...]
+    end_steps: tuple[float, ...]
+
+    @property
+    def candidates(self) -> int:
+        return 1 + len(self.shrink) + 2 * len(self.end_steps)
+
+
+# the search quantize uses; measured against EXHAUSTIVE in benchmarks/quantize_speed.py --search-table
+CLIP_SEARCH = ClipSearch(shrink=(0.9, 0.8), end_steps=(-0.05, 0.05))
+# the earlier search: 23 candidates (kept as the reference the cheaper one is measured against)
+EXHAUSTIVE = ClipSearch(shrink=tuple(1.0 - 0.05 * i for i in range(1, 11)),
+                        end_steps=tuple(0.05 * d for d in (-3, -2, -1, 1, 2, 3)))
 
 
 def padded_k(k: int, group_size: int) -> int:
@@ -42,67 +62,94 @@ def _scale_zero(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _quant_codes(wg: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    # wg [N, G, g]; s, z [N, G, 1] -> float codes in 0..15
-    return (wg / s).add_(z).round_().clamp_(0, QMAX)
+    # wg [N, G, g]; s, z [N, G, 1] -> float codes in 0..15 (clamping before rounding: the bounds are integers)
+    return (wg / s).add_(z).clamp_(0, QMAX).round_()
 
 
 def _group_sq_error(wg, s, z, valid):
-    err = _quant_codes(wg, s, z).sub_(z).mul_(s).sub_(wg).square_()
+    """Sum of squared reconstruction errors per group: wg [N, G, g], s and z [..., N, G, 1] -> [..., N, G, 1]."""
+    t = (wg / s).add_(z)                           # the code before rounding
+    err = t.clamp(0, QMAX).round_().sub_(t)        # (q - z) * s - w == (q - t) * s
     if valid is not None:
         err.mul_(valid)
-    return err.sum(dim=-1, keepdim=True)
+    return torch.linalg.vecdot(err, err).unsqueeze(-1).mul_(s * s)
 
 
-def _search_scale_zero(wg: torch.Tensor, valid: torch.Tensor | None, clip_search: bool):
-    """Per-group (s, z) [N, G, 1], vectorised over all groups; a Python loop only over candidate ratios."""
+def _least_error(wg, valid, lo, hi, best, r_lo, r_hi):
+    """The incumbent best = (r_lo, r_hi, error), each [N, G, 1], replaced per group by the candidate of least error
+    among r_lo, r_hi [C, N, G, 1] (broadcastable) where one is below its error; the first of equal errors wins, as
+    when candidates are tried one by one."""
+    s, z = _scale_zero(lo * r_lo, hi * r_hi)
+    err = torch.cat([best[2][None], _group_sq_error(wg, s, z, valid)])       # [1 + C, N, G, 1]
+    pick = err.movedim(0, -1).contiguous().argmin(dim=-1)[None]             # [1, N, G, 1]; C innermost: faster
+    c, shape = err.shape[0] - 1, err.shape[1:]
+    r_lo, r_hi = (torch.cat([b.expand(shape)[None], r.expand((c,) + shape)]) for b, r in zip(best, (r_lo, r_hi)))
+    return r_lo.gather(0, pick)[0], r_hi.gather(0, pick)[0], err.gather(0, pick)[0]
+
+
+def _search_scale_zero(wg: torch.Tensor, valid: torch.Tensor | None, search: ClipSearch | None):
+    """Per-group (s, z) [N, G, 1], vectorised over all groups and over the candidates of each stage."""
     lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)  # padding is 0: neutral
-    best_s, best_z = _scale_zero(lo, hi)
-    if not clip_search:
-        return best_s, best_z
-    best_err = _group_sq_error(wg, best_s, best_z, valid)
-    ratio_lo = torch.ones_like(lo)
-    ratio_hi = torch.ones_like(hi)
-
-    def consider(r_lo, r_hi):
-        nonlocal best_s, best_z, best_err, ratio_lo, ratio_hi
-        s, z = _scale_zero(lo * r_lo, hi * r_hi)
-        err = _group_sq_error(wg, s, z, valid)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
-        ratio_lo, ratio_hi = torch.where(better, r_lo, ratio_lo), torch.where(better, r_hi, ratio_hi)
-
-    for r in SHRINK_RATIOS[1:]:
-        consider(torch.full_like(lo, r), torch.full_like(hi, r))
-    base_lo, base_hi = ratio_lo.clone(), ratio_hi.clone()
-    for d in END_STEPS:
-        consider((base_lo + d).clamp(MIN_RATIO, 1.0), base_hi)
-    base_lo, base_hi = ratio_lo.clone(), ratio_hi.clone()
-    for d in END_STEPS:
-        consider(base_lo, (base_hi + d).clamp(MIN_RATIO, 1.0))
-    return best_s, best_z
+    s, z = _scale_zero(lo, hi)
+    if search is None:
+        return s, z
+    one = torch.ones_like(lo)
+    best = (one, one, _group_sq_error(wg, s, z, valid))
+    if search.shrink:
+        ratios = torch.tensor(search.shrink, device=wg.device).view(-1, 1, 1, 1)
+        best = _least_error(wg, valid, lo, hi, best, ratios, ratios)
+    if search.end_steps:
+        steps = torch.tensor(search.end_steps, device=wg.device).view(-1, 1, 1, 1)
+        best = _least_error(wg, valid, lo, hi, best, (best[0] + steps).clamp(MIN_RATIO, 1.0), best[1])
+        best = _least_error(wg, valid, lo, hi, best, best[0], (best[1] + steps).clamp(MIN_RATIO, 1.0))
+    return _scale_zero(lo * best[0], hi * best[1])
 
 
-def int4_quantize(w: torch.Tensor, group_size: int = 128, clip_search: bool = True):
-    """w [N, K] float -> (qweight uint8 [N, Kp/2], scales float16 [N, Kp/g], zeros float16 [N, Kp/g])."""
+def _chunk_rows(n: int, kp: int, device: torch.device) -> int:
+    """Rows per chunk: a power of two up to 128, or a multiple of 128, so a chunk never straddles FP8 blocks."""
+    rows = max(1, (CHUNK_ELEMENTS_CPU if device.type == "cpu" else CHUNK_ELEMENTS_GPU) // kp)
+    return rows // BLOCK * BLOCK if rows >= BLOCK else 1 << (rows.bit_length() - 1)
+
+
+def int4_quantize(w: torch.Tensor, group_size: int = 128, clip_search: bool | ClipSearch = True,
+                  scale_inv: torch.Tensor | None = None):
+    """w [N, K] float -> (qweight uint8 [N, Kp/2], scales float16 [N, Kp/g], zeros float16 [N, Kp/g]).
+
+    `clip_search`: True for CLIP_SEARCH, False for plain min/max ranges, or a ClipSearch. With `scale_inv`
+    (an FP8 checkpoint's block grid), w is float8_e4m3fn, dequantized here chunk by chunk the project's one way
+    (quant.fp8.fp8_block_dequant), so the result equals quantizing the dequantized matrix.
+    Row chunks are independent and every step is elementwise or within one group: the result does not depend
+    on the chunking, the thread count or the device (CPU and CUDA round every operation alike)."""
+    search = CLIP_SEARCH if clip_search is True else (clip_search or None)
     n, k = w.shape
     g = group_size
     kp = padded_k(k, g)
-    wp = torch.zeros(n, kp, dtype=torch.float32, device=w.device)
-    wp[:, :k] = w
-    wg = wp.view(n, kp // g, g)
     valid = None
     if kp != k:
         valid = torch.zeros(kp, dtype=torch.float32, device=w.device)
         valid[:k] = 1.0
         valid = valid.view(kp // g, g)
-    # row chunks that stay in cache on CPU (about 3x faster there); one chunk per matrix on a GPU
-    rows = max(1, (CHUNK_ELEMENTS_CPU if w.device.type == "cpu" else CHUNK_ELEMENTS_GPU) // kp)
-    s, z = (torch.cat(t) for t in zip(*(_search_scale_zero(wg[i:i + rows], valid, clip_search)
-                                        for i in range(0, n, rows))))
-    q = _quant_codes(wg, s, z).to(torch.uint8)                 # [N, G, g]
-    packed = q[..., : g // 2] | (q[..., g // 2:] << 4)         # [N, G, g/2]
-    return packed.reshape(n, kp // 2), s.squeeze(-1).half(), z.squeeze(-1).half()
+    qweight = torch.empty(n, kp // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(n, kp // g, dtype=torch.float16, device=w.device)
+    zeros = torch.empty_like(scales)
+    rows = _chunk_rows(n, kp, w.device)
+    for i in range(0, n, rows):
+        chunk = w[i:i + rows]
+        if scale_inv is not None:
+            chunk = fp8_block_dequant(chunk, scale_inv[i // BLOCK:-(-(i + rows) // BLOCK)], torch.float32)
+        r = chunk.shape[0]
+        if kp != k or chunk.dtype != torch.float32:
+            wp = torch.zeros(r, kp, dtype=torch.float32, device=w.device)
+            wp[:, :k] = chunk
+        else:
+            wp = chunk
+        wg = wp.view(r, kp // g, g)
+        s, z = _search_scale_zero(wg, valid, search)
+        q = _quant_codes(wg, s, z).to(torch.uint8)                    # [r, G, g]
+        torch.bitwise_or(q[..., : g // 2], q[..., g // 2:] << 4, out=qweight[i:i + r].view(r, kp // g, g // 2))
+        scales[i:i + r] = s.squeeze(-1)
+        zeros[i:i + r] = z.squeeze(-1)
+    return qweight, scales, zeros
 
 
 def int4_unpack_codes(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -139,7 +186,7 @@ class Int4Format(ExpertFormat):
         if group_size not in GROUP_SIZES:
             raise UserError(f"int4 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
         self.group_size = group_size
-        self.clip_search = clip_search  # False: plain min/max ranges (for comparison)
+        self.clip_search = clip_search  # False: plain min/max ranges (quantize --fast)
 
     def _parts(self, n: int, k: int):
         kp = padded_k(k, self.group_size)
@@ -150,6 +197,16 @@ class Int4Format(ExpertFormat):
     def _quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         qweight, scales, zeros = int4_quantize(w, self.group_size, self.clip_search)
         return {"qweight": qweight, "scales": scales, "zeros": zeros}
+
+    def pack_fp8(self, weights, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Blob from an FP8 checkpoint's (weight, scale_inv) of gate, up and down: the bytes pack() gives for the
+        dequantized weights, each row chunk dequantized inside the quantizer (no full-size float copy)."""
+        gate = weights[0][0]
+        parts = {}
+        for m, (w, s) in zip(MATRICES, weights):
+            qweight, scales, zeros = int4_quantize(w, self.group_size, self.clip_search, scale_inv=s)
+            parts[m] = {"qweight": qweight, "scales": scales, "zeros": zeros}
+        return self._write(self.layout(*gate.shape), parts, out, gate.device)
 
     def _dequantize(self, parts, shape, dtype):
         return int4_dequant(parts["qweight"], parts["scales"], parts["zeros"], shape[1], self.group_size, dtype)
