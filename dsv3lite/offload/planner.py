@@ -96,7 +96,10 @@ def workspace_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
     chunk = min(PREFILL_CHUNK, ctx_size)
     logits = chunk * a.vocab_size * 4 * 2                            # logits + fp32 copy
     hidden = chunk * (8 * a.hidden_size + 3 * max(a.intermediate_size, a.moe_intermediate_size)) * 4
-    expanded_kv = ctx_size * a.num_attention_heads * (a.qk_head_dim + a.v_head_dim) * dense_bytes
+    # the naive prefill attention (model.MLA._attend_naive) holds wkv_b's output [ctx, H, dn + dv] and the
+    # concatenated K [ctx, H, dn + dr] at once (measured: tests/test_budget.py), and the chunk's Q [chunk, H, dqk]
+    expanded_kv = (ctx_size * a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim + a.qk_head_dim)
+                   + chunk * a.num_attention_heads * a.qk_head_dim) * dense_bytes
     scores = chunk * a.num_attention_heads * min(ctx_size, 4 * chunk) * 4
     if a.has_indexer:   # the indexer's fp32 scores (blocks of queries, ~3 live copies) and the chunk's sparse mask
         block = min(chunk * a.index_n_heads * ctx_size, max(INDEX_SCORE_ELEMENTS, a.index_n_heads * ctx_size))

@@ -17,6 +17,7 @@ from ..kernels import dispatch
 from ..kernels.fused_moe import fused_moe
 from ..limits import BULK_TOKENS
 from ..model import combine_experts
+from ..utils import format_bytes
 from ..quant.layout import BlobLayout, ExpertFormat
 from .cache import ExpertCache, HostStore
 from .cpu_worker import CpuJob, CpuWorker
@@ -108,6 +109,8 @@ class OffloadRuntime:
         self.known_ids: dict[int, list[list[int]]] = {}        # layer -> exact routing read after attention
         self.pending: dict[int, list[tuple[int, set[int]]]] = {}  # layer -> [(distance, predicted set)]
         self.prefetch_queue: list = []                    # predicted keys not yet issued, nearest first
+        self.memory_checks = 0                            # 1 after a prefill, +1 per decode step up to 3
+        self.memory_warned = False
         self.prefill_counts: dict[tuple[int, int], int] = {}
         self.uses = UseCounts()
         self.per_layer: dict[int, UseCounts] = {}
@@ -174,6 +177,10 @@ class OffloadRuntime:
         n = x.shape[0]
         if layer_id == self.first_moe_layer:
             self.slots.advance()
+            if 0 < self.memory_checks < 3 and n <= BULK_TOKENS:
+                self.memory_checks += 1
+                if self.memory_checks == 3:              # the second decode step starts: the first one is done
+                    self.check_device_memory()
         rows = self.known_ids.pop(layer_id, None)
         if rows is None or len(rows) != n:
             rows = ids.tolist()
@@ -286,8 +293,21 @@ class OffloadRuntime:
         return out
 
     # --- warm start -----------------------------------------------------------------------------
+    def check_device_memory(self) -> None:
+        """CUDA: warn once when the allocator's peak passed the budget the plan was made for (checked after the
+        first prefill and the first decode step; on CPU tests/test_budget.py measures the same)."""
+        if self.device.type != "cuda" or self.plan is None or self.memory_warned:
+            return
+        peak = torch.cuda.max_memory_allocated(self.device)
+        if peak > self.plan.budget:
+            self.memory_warned = True
+            self.log(f"warning: GPU memory peaked at {format_bytes(peak)}, above the {format_bytes(self.plan.budget)} "
+                     f"planned for --gpu-mem: lower --gpu-mem or --ctx-size to keep to it")
+
     def end_prefill(self) -> None:
         """Seed the policy from the prompt's routing counts and fill free slots with its most used experts."""
+        self.memory_checks = 1
+        self.check_device_memory()
         counts, self.prefill_counts = self.prefill_counts, {}
         if not counts:
             return
