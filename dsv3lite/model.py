@@ -26,6 +26,33 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def inference_views(owner: nn.Module, tensors: tuple[torch.Tensor, ...], build):
+    """build() -> views of `tensors` (transposes, per-expert slices), kept on `owner` between inference-mode calls
+    so a decode step does not re-derive them; rebuilt when the tensors change storage, never kept (nor built from
+    a cache) outside inference mode, where autograd must see the parameters themselves."""
+    if not torch.is_inference_mode_enabled():
+        return build()
+    key = tuple((t.data_ptr(), t.dtype, t.device) for t in tensors)
+    cached = owner.__dict__.get("_inference_views")
+    if cached is None or cached[0] != key:
+        cached = owner.__dict__["_inference_views"] = (key, build())
+    return cached[1]
+
+
+class Linear(nn.Linear):
+    """nn.Linear (no bias) whose inference forward is the product linear() reduces to, x @ W^T as one mm over the
+    flattened rows (the same kernel on the same operands, so the same bits), with W^T kept between calls: a decode
+    step is hundreds of tiny products, and linear's dispatch layers cost more than the product itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None or not torch.is_inference_mode_enabled():
+            return F.linear(x, self.weight, self.bias)
+        wt = inference_views(self, (self.weight,), self.weight.t)
+        if x.dim() == 2:
+            return torch.mm(x, wt)
+        return torch.mm(x.reshape(-1, x.shape[-1]), wt).view(*x.shape[:-1], wt.shape[1])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -33,9 +60,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # statistics in fp32, normalised value rounded to the input dtype, then the weight multiply; the fused
-        # rms_norm gives the same bits as x * rsqrt(mean(x^2) + eps) spelled out (checked in test_model_parity)
-        return self.weight * as_dtype(F.rms_norm(as_dtype(x, torch.float32), (x.shape[-1],), eps=self.eps), x.dtype)
+        # statistics in fp32, normalised value rounded to the input dtype, then the weight multiply. Spelled out: the
+        # bits of F.rms_norm (checked in test_model_parity) in a third of its operators (on CPU it is a composite that
+        # also converts eps to a tensor and back)
+        h = as_dtype(x, torch.float32)
+        return self.weight * as_dtype(h * h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_(), x.dtype)
 
 
 # --- rotary embedding ---------------------------------------------------------------------------------
@@ -112,10 +141,10 @@ class Indexer(nn.Module):
         super().__init__()
         self.args = args
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(args.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)    # kept in fp32 (as transformers)
+        self.weights_proj = Linear(args.hidden_size, self.n_heads, bias=False)    # kept in fp32 (as transformers)
         self.scale = self.head_dim ** -0.5
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,15 +189,15 @@ class MLA(nn.Module):
         self.n_heads = args.num_attention_heads
         d, h = args.hidden_size, args.num_attention_heads
         if args.q_lora_rank:
-            self.wq_a = nn.Linear(d, args.q_lora_rank, bias=False)
+            self.wq_a = Linear(d, args.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(args.q_lora_rank, _LATENT_NORM_EPS)
-            self.wq_b = nn.Linear(args.q_lora_rank, h * args.qk_head_dim, bias=False)
+            self.wq_b = Linear(args.q_lora_rank, h * args.qk_head_dim, bias=False)
         else:
-            self.wq = nn.Linear(d, h * args.qk_head_dim, bias=False)
-        self.wkv_a = nn.Linear(d, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+            self.wq = Linear(d, h * args.qk_head_dim, bias=False)
+        self.wkv_a = Linear(d, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
         self.kv_norm = RMSNorm(args.kv_lora_rank, _LATENT_NORM_EPS)
-        self.wkv_b = nn.Linear(args.kv_lora_rank, h * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
-        self.wo = nn.Linear(h * args.v_head_dim, d, bias=False)
+        self.wkv_b = Linear(args.kv_lora_rank, h * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.wo = Linear(h * args.v_head_dim, d, bias=False)
         self.indexer = Indexer(args) if args.has_indexer else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -278,9 +307,9 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, inter: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, inter, bias=False)   # gate_proj
-        self.w3 = nn.Linear(dim, inter, bias=False)   # up_proj
-        self.w2 = nn.Linear(inter, dim, bias=False)   # down_proj
+        self.w1 = Linear(dim, inter, bias=False)   # gate_proj
+        self.w3 = Linear(dim, inter, bias=False)   # up_proj
+        self.w2 = Linear(inter, dim, bias=False)   # down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -341,8 +370,8 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        w1, w3, w2 = self._per_expert()
-        return F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e])
+        w1, w3, w2 = self._transposed()
+        return _swiglu(x, w1[e], w3[e], w2[e])
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1:
@@ -360,22 +389,26 @@ class RoutedExperts(nn.Module):
         """Decode of one token: the chosen experts in ascending id, each weighted output rounded to x.dtype and
         added, as combine_experts does (same operators per expert, so the same bits) without its grouping."""
         ids_sorted, order = ids[0].sort()
+        w1, w3, w2 = self._transposed()
         out = None
-        for e, w in zip(ids_sorted.tolist(), weights[0, order, None].unbind(0)):
-            t = as_dtype(self.expert(e, x) * w, x.dtype)
+        for e, w in zip(ids_sorted.tolist(), weights[0].index_select(0, order)[:, None].unbind(0)):
+            t = as_dtype(_swiglu(x, w1[e], w3[e], w2[e]) * w, x.dtype)
             out = t if out is None else out + t
         return out
 
-    def _per_expert(self):
-        """Per-expert views of w1, w3, w2 (lists), kept between inference-mode decode steps so a step does
-        not re-slice them; rebuilt when the parameters change storage, never kept outside inference mode."""
+    def _transposed(self):
+        """w1, w3, w2 transposed, the operands of x @ W^T: stacked [E, D, I], [E, D, I], [E, I, D], or in inference
+        mode per-expert lists kept between decode steps."""
+        def stacked():
+            return tuple(w.transpose(1, 2) for w in (self.w1, self.w3, self.w2))
         if not torch.is_inference_mode_enabled():
-            return self.w1, self.w3, self.w2
-        key = (self.w1.data_ptr(), self.w3.data_ptr(), self.w2.data_ptr(), self.w1.dtype, self.w1.device)
-        if getattr(self, "_views_key", None) != key:
-            self._views = (self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0))
-            self._views_key = key
-        return self._views
+            return stacked()
+        return inference_views(self, (self.w1, self.w3, self.w2), lambda: tuple(t.unbind(0) for t in stacked()))
+
+
+def _swiglu(x: torch.Tensor, w1t: torch.Tensor, w3t: torch.Tensor, w2t: torch.Tensor) -> torch.Tensor:
+    """One expert on x [N, D] from transposed weights: the products F.linear would run (mm on W^T), same bits."""
+    return torch.mm(F.silu(torch.mm(x, w1t)) * torch.mm(x, w3t), w2t)
 
 
 def combine_experts(expert_fn, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -495,7 +528,7 @@ class MTPLayer(nn.Module):
         d = args.hidden_size
         self.enorm = RMSNorm(d, args.rms_norm_eps)
         self.hnorm = RMSNorm(d, args.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.eh_proj = Linear(2 * d, d, bias=False)
         self.block = Block(args, args.mtp_layer_id)
         self.head_norm = RMSNorm(d, args.rms_norm_eps)
 
@@ -517,7 +550,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.mtp = MTPLayer(args) if with_mtp else None
         self.rotary = Rotary(args)
         self.observers = Observers()
