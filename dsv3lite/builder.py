@@ -42,6 +42,7 @@ def resident_experts(root: Path, args: ModelArgs, experts: str | None, device: t
     if kernel and not source.mapped:
         log(f"routed experts as {source.fmt.name} blobs for the CPU expert kernel (--experts int4 | fp8 to quantize)")
         return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout)
+    source = source.cached(log)                   # --experts on an HF checkpoint: its expert cache on disk
     if not source.mapped:
         log(f"quantizing routed experts to {source.fmt.name} at load")
     return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout)

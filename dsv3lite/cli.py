@@ -1,4 +1,4 @@
-"""The `dsv3lite` command: chat, generate, serve, ui, info, plan, quantize, trace, convert-tokenizer.
+"""The `dsv3lite` command: chat, generate, serve, ui, info, plan, quantize, trace, convert-tokenizer, cache.
 
 Bad input ends with one line on stderr and a non-zero exit; `--debug` shows the traceback.
 """
@@ -464,6 +464,27 @@ def convert_tokenizer(weights, force):
         raise UserError(f"{out} exists: add --force to replace it")
     write_atomic(out, build_tokenizer_json(root / TIKTOKEN_FILE, read_json(root / "tokenizer_config.json")))
     log(f"wrote {out}")
+
+
+@cli.command("cache", short_help="List or clear the expert caches of HF checkpoints.")
+@click.option("--clear", is_flag=True, help="Remove every expert cache (the next launch writes its own again).")
+def cache_cmd(clear):
+    """The expert caches: an HF checkpoint's routed experts packed once to disk in the format a launch asked for
+    (--experts, or offloading), mapped by later launches. Location: $DSV3LITE_EXPERT_CACHE (off: none)."""
+    from . import expert_cache_dir
+
+    location = expert_cache_dir.cache_location()
+    if location is None:
+        log(f"expert caches are off ({expert_cache_dir.ENV}={os.environ.get(expert_cache_dir.ENV)})")
+        return
+    if clear:
+        n, freed = expert_cache_dir.clear(location)
+        log(f"removed {n} expert cache{'' if n == 1 else 's'} from {location} ({format_bytes(freed)} freed)")
+        return
+    found = expert_cache_dir.entries(location)
+    log(f"expert caches in {location}: {len(found)}, {format_bytes(sum(e.bytes for e in found))}")
+    for e in found:
+        log(f"  {e.path.name}  {e.format}  {format_bytes(e.bytes)}  source {e.source_hash[:19]}")
 
 
 @cli.command(short_help="What a --gpu-mem budget buys, reading no weights.")

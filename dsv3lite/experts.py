@@ -33,24 +33,46 @@ class ExpertSource:
     args: ModelArgs
     fmt: ExpertFormat
     layout: BlobLayout
-    manifest: object | None              # quant.checkpoint.Manifest of a quantized directory, else None
+    manifest: object | None              # quant.checkpoint.Manifest of the blobs' directory, else None
+    blob_root: Path | None = None        # that directory: `root` itself, or an expert cache of an HF `root`
     _index: object = field(default=None, init=False, repr=False)    # the HF checkpoint's index, opened once
+
+    def __post_init__(self):
+        if self.manifest is not None and self.blob_root is None:
+            self.blob_root = self.root
 
     @property
     def mapped(self) -> bool:
         """True when the blobs are mapped from a file (no copy, pages read on first touch)."""
         return self.manifest is not None
 
+    def index(self):
+        """The HF checkpoint's index (opened once)."""
+        if self._index is None:
+            from .hf_checkpoint import CheckpointIndex
+            self._index = CheckpointIndex.open(self.root)
+        return self._index
+
+    def cached(self, log, progress: bool = True) -> "ExpertSource":
+        """An HF source served from its expert cache on disk (written once now when missing: expert_cache_dir.py);
+        a mapped source, or one whose cache is off or does not fit, as it is."""
+        from . import expert_cache_dir
+
+        if self.mapped:
+            return self
+        found = expert_cache_dir.ensure(self, log, progress)
+        if found is None:
+            return self
+        path, manifest = found
+        return ExpertSource(self.root, self.args, manifest.expert_format(), manifest.layout, manifest, path)
+
     def layer_blobs(self, layer_id: int) -> torch.Tensor:
         """uint8 [n_experts, blob_bytes] of one MoE layer (MTP layer included)."""
         from .quant.checkpoint import open_layer_blobs, quantize_layer_from_hf
 
         if self.manifest is not None:
-            return open_layer_blobs(self.root, self.manifest, layer_id)
-        if self._index is None:
-            from .hf_checkpoint import CheckpointIndex
-            self._index = CheckpointIndex.open(self.root)
-        return quantize_layer_from_hf(self._index, self.args, layer_id, self.fmt, self.layout)
+            return open_layer_blobs(self.blob_root, self.manifest, layer_id)
+        return quantize_layer_from_hf(self.index(), self.args, layer_id, self.fmt, self.layout)
 
 
 def expert_source(root: Path, args: ModelArgs, experts: str | None, blobs_required: bool) -> ExpertSource | None:
@@ -58,11 +80,14 @@ def expert_source(root: Path, args: ModelArgs, experts: str | None, blobs_requir
     format). An HF directory with `experts`: quantized to that format at load. An HF directory without: None (the
     checkpoint's dense experts), unless `blobs_required` (offloading), then blobs in the checkpoint's own
     precision (fp8 for an FP8 checkpoint, else bf16)."""
-    from .quant.checkpoint import is_quantized_dir, read_manifest
+    from .quant.checkpoint import EXPERTS_ONLY, is_quantized_dir, read_manifest
     from .quant.formats import get_format
 
     if is_quantized_dir(root):
         manifest = read_manifest(root)
+        if manifest.dense_dtype == EXPERTS_ONLY:
+            raise UserError(f"{root} is an expert cache (routed experts only): pass the HF checkpoint it was made "
+                            f"from as --weights")
         if experts is not None and experts != manifest.format:
             raise UserError(f"{root} holds {manifest.format} experts; --experts {experts} needs the HF checkpoint "
                             f"(quantize it again, or drop --experts)")

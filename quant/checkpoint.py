@@ -48,6 +48,7 @@ MANIFEST_VERSION = 1
 DENSE_FILE = "model.safetensors"
 EXPERTS_FILE = "experts.safetensors"
 PROGRESS = "progress.json"          # inside DST.partial/ only
+EXPERTS_ONLY = "none"               # the dense dtype of a directory holding only the routed experts (an expert cache)
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
               "generation_config.json", "special_tokens_map.json", "tiktoken.model")
 SOURCE_FLOAT_DTYPES = ("BF16", "F16", "F32", "F8_E4M3")
@@ -341,7 +342,7 @@ def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense:
     if not Path(os.path.abspath(dst)).name:
         raise UserError(f"DST must name a directory to create, got {dst}")
     _check_paths(src, dst)
-    if dense not in ("bf16", "fp8"):
+    if dense not in ("bf16", "fp8", EXPERTS_ONLY):
         raise UserError(f"unknown dense dtype {dense!r}: use bf16 or fp8")
     fmt = get_format(experts, group_size)
     fmt.check_available()                        # fail now, not after the dense weights are written
@@ -351,10 +352,7 @@ def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense:
     index = CheckpointIndex.open(src)
     layout = fmt.layout(args.moe_intermediate_size, args.hidden_size)
 
-    digest = hashlib.sha256((src / "config.json").read_bytes())
-    for shard in index.shards():
-        digest.update(f"\0{shard.name}\0{shard.stat().st_size}\0".encode())
-        digest.update(json.dumps(read_header(shard), sort_keys=True).encode())
+    digest = source_hash(src, index)
     meta = index.headers()                  # under the names the model reads (e.g. Kimi-K2.5's prefix removed)
 
     with_mtp, notice = mtp_status(index, args)
@@ -368,8 +366,17 @@ def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense:
         if notice else []
     if fast and not hasattr(fmt, "clip_search"):
         notes.append(f"note: --fast skips int4's clipping search; {fmt.name} has none, so it changes nothing")
-    return QuantizePlan(src, dst, args, index, fmt, layout, dense, moe_layers, entries, "sha256:" + digest.hexdigest(),
-                expert_bytes, notes)
+    return QuantizePlan(src, dst, args, index, fmt, layout, dense, moe_layers, entries, digest, expert_bytes, notes)
+
+
+def source_hash(src: Path, index: CheckpointIndex) -> str:
+    """"sha256:..." over an HF checkpoint's config.json and its shards' names, sizes and headers (no weights read):
+    what a quantized directory or an expert cache was made from."""
+    digest = hashlib.sha256((Path(src) / "config.json").read_bytes())
+    for shard in index.shards():
+        digest.update(f"\0{shard.name}\0{shard.stat().st_size}\0".encode())
+        digest.update(json.dumps(read_header(shard), sort_keys=True).encode())
+    return "sha256:" + digest.hexdigest()
 
 
 def _check_experts(meta: dict, args: ModelArgs, layout: BlobLayout, moe_layers: list[int]) -> int:
@@ -402,6 +409,8 @@ def _check_experts(meta: dict, args: ModelArgs, layout: BlobLayout, moe_layers: 
 
 def _dense_entries(meta: dict, args: ModelArgs, dense: str) -> list[DenseEntry]:
     out = []
+    if dense == EXPERTS_ONLY:
+        return out
     for name in sorted(meta, key=_natural_key):
         if name.endswith("_scale_inv"):
             continue
@@ -455,7 +464,7 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
             if (plan.src / name).is_file():
                 shutil.copyfile(plan.src / name, plan.partial / name)
         with TensorReader(plan.index) as reader:
-            if not state["dense_done"]:
+            if not state["dense_done"] and plan.dense_entries:
                 _write_dense(plan, reader, progress)
                 state["dense_done"] = True
                 _save_progress(plan.partial, state)
@@ -502,7 +511,8 @@ def _prepare_dirs(plan: QuantizePlan, force: bool, resume: bool, log) -> dict:
             raise UserError(f"cannot resume {partial}: it was started with --experts {o.get('experts')} "
                             f"(group {o.get('group_size')}) --dense {o.get('dense')}{fast}; rerun with those or "
                             f"start over with --force")
-        TensorFileWriter.reopen(partial / DENSE_FILE, plan.dense_file_entries(), {"format": "pt"}).close()
+        if plan.dense_entries:                       # (an expert cache has none: no dense file)
+            TensorFileWriter.reopen(partial / DENSE_FILE, plan.dense_file_entries(), {"format": "pt"}).close()
         TensorFileWriter.reopen(partial / EXPERTS_FILE, plan.experts_file_entries(), plan.experts_metadata()).close()
         log(f"resuming {partial}: {len(state['layers_done'])} of {len(plan.moe_layers)} MoE layers done"
             + ("" if state["dense_done"] else ", dense weights to write"))
@@ -523,7 +533,8 @@ def _prepare_dirs(plan: QuantizePlan, force: bool, resume: bool, log) -> dict:
         raise UserError(f"not enough disk space in {parent}: the output needs "
                         f"{format_bytes(dense_bytes + expert_bytes)}, {format_bytes(free)} is free")
     partial.mkdir()
-    TensorFileWriter.create(partial / DENSE_FILE, plan.dense_file_entries(), {"format": "pt"}).close()
+    if plan.dense_entries:
+        TensorFileWriter.create(partial / DENSE_FILE, plan.dense_file_entries(), {"format": "pt"}).close()
     TensorFileWriter.create(partial / EXPERTS_FILE, plan.experts_file_entries(), plan.experts_metadata()).close()
     state = {"version": 1, "source_hash": plan.source_hash, "options": plan.options(), "dense_done": False,
              "layers_done": []}

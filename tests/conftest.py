@@ -1,12 +1,19 @@
 """Shared fixtures: tiny random checkpoints written once per test session (nothing is downloaded)."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# expert caches of the tests' checkpoints go to a folder of this session (removed at its end), not the user's
+_EXPERT_CACHE = tempfile.mkdtemp(prefix="dsv3lite-test-expert-cache-")
+os.environ["DSV3LITE_EXPERT_CACHE"] = _EXPERT_CACHE
+atexit.register(shutil.rmtree, _EXPERT_CACHE, True)
 # Triton reads this once, when it is imported: without a GPU, kernels are tested in its interpreter.
 # Model code still runs the PyTorch twins on CPU unless a test sets DSV3LITE_KERNELS=triton.
 if not torch.cuda.is_available():

@@ -56,7 +56,7 @@ def test_command_list_and_flags_have_whole_help_texts(capsys):
     rc, out, _ = run(capsys, "--help")
     commands = out.split("Commands:")[1].strip().splitlines()
     names = {line.split()[0] for line in commands}
-    assert names == {"chat", "convert-tokenizer", "generate", "info", "plan", "quantize", "serve", "trace", "ui"}
+    assert names == {"cache", "chat", "convert-tokenizer", "generate", "info", "plan", "quantize", "serve", "trace", "ui"}
     assert not any(line.rstrip().endswith("...") for line in commands), out
     for command, flag in (("generate", "--top-p"), ("serve", "--port"), ("ui", "--port"), ("chat", "--top-p")):
         rc, out, _ = run(capsys, command, "--help")

@@ -77,6 +77,7 @@ def build_offload(root: Path, args: ModelArgs, experts: str | None, gpu_mem, ctx
         return None
     layers = list(args.moe_layer_ids) + ([args.mtp_layer_id] if with_mtp else [])
     total = len(layers) * args.n_routed_experts * source.layout.blob_bytes
+    source = source.cached(log)                   # an HF checkpoint's experts: its expert cache on disk
     blobs, mode = _host_blobs(source, layers, device, total, options.cpu_mem_bytes, log)
     runtime = OffloadRuntime(HostStore(blobs, source.layout.blob_bytes, mode), source.fmt, source.layout,
                              plan.n_slots, device, dtype, options=options, plan=plan, log=log)
