@@ -1,19 +1,25 @@
-"""`dsv3lite quantize` throughput and peak memory on a synthetic DeepSeek-V3-shaped source.
+"""`dsv3lite quantize` speed per routed expert on a DeepSeek-V3 slice at real width, and the int4 clip search's
+quality against its cost.
 
-    python benchmarks/quantize_speed.py                          # 32 experts of 7168x2048, bf16 and fp8 sources
-    python benchmarks/quantize_speed.py --experts 8 --formats int4 fp8 --sources bf16 --workdir /big/disk
-    python benchmarks/quantize_speed.py --threads 1                # steadier on a shared machine
+    python benchmarks/quantize_speed.py                           # 32 experts, FP8 and bf16 sources
+    python benchmarks/quantize_speed.py --experts 64 --sources fp8 --rows fp8:int4 fp8:int4:fast --workdir /big
+    python benchmarks/quantize_speed.py --search-table            # clip-search candidates: error vs exhaustive
 
-Writes an HF-style checkpoint first (one MoE layer of DeepSeek-V3 width: hidden 7168, moe_intermediate 2048,
---experts routed experts, a shared expert, MLA projections at 2 heads; random weights, sharded with an index),
-once as bf16 and once as FP8 block-scaled (DeepSeek's layout). Each (source, format) runs in a fresh child
-process that reports wall time and its peak RSS (ru_maxrss), so memory figures are not polluted by the parent.
-The source was just written, so reads come from the page cache: this measures the quantizer, not the disk.
-Everything lives under --workdir and is deleted at the end (about 6 GB at 32 experts).
+The source is one MoE layer of DeepSeek-V3 (hidden 7168, routed experts 2048 wide, MLA at 128 heads, the shared
+expert) written by dsv3lite.testing_realwidth as the hub writes it (bf16, or FP8 e4m3 with 128x128 block scales),
+in 4 shards. Each row runs `quantize_checkpoint` in a fresh child process and reports, per routed expert:
+  pipeline    the experts phase (read, quantize on --workers threads, write, fsync per layer) / experts
+  arithmetic  the same experts quantized from memory by the same threads (no reads, no writes) / experts
+  overhead    pipeline / arithmetic - 1
+plus the dense phase and the peak RSS. The source was just written, so reads come from the page cache.
+`--search-table` times the int4 quantizer on one real-width gate matrix (2048x7168) with each clip-search
+candidate set and gives its squared reconstruction error relative to the exhaustive 23-candidate search, on
+gaussian, FP8-rounded gaussian and heavy-tailed (Student t, 4 d.o.f.) weights at DeepSeek's init scale.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -27,168 +33,160 @@ from pathlib import Path
 
 import torch
 
-HIDDEN, INTER = 7168, 2048
-FORMATS = ("bf16", "fp8", "int4", "nf4")
-BF16_EXPERT = 3 * INTER * HIDDEN * 2       # bytes of one DeepSeek-V3 routed expert in bf16
+ROWS = ("fp8:int4", "fp8:int4:fast", "fp8:int8", "fp8:fp8", "bf16:int4", "bf16:int4:fast")
 
 
-def synthetic_config(n_experts: int) -> dict:
-    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 256,
-            "hidden_size": HIDDEN, "intermediate_size": 18432, "moe_intermediate_size": INTER,
-            "num_hidden_layers": 1, "first_k_dense_replace": 0, "moe_layer_freq": 1,
-            "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 1536, "kv_lora_rank": 512,
-            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-            "n_routed_experts": n_experts, "n_shared_experts": 1, "num_experts_per_tok": min(8, n_experts),
-            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": 0,
-            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-            "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16"}
+def write_source(root: Path, n_experts: int, dtype: str) -> Path:
+    from dsv3lite.testing_realwidth import write_realwidth_checkpoint
+
+    return write_realwidth_checkpoint(root, layers=1, dense_layers=0, experts=n_experts, vocab=4096, dtype=dtype,
+                                      shards=4)
 
 
-def synthetic_tensors(cfg: dict):
-    """(name, shape, is_projection) of every tensor, in file order (dense first, then experts)."""
-    d, i, h = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_attention_heads"]
-    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-    p = "model.layers.0."
-    out = [("model.embed_tokens.weight", (cfg["vocab_size"], d), False), ("model.norm.weight", (d,), False),
-           ("lm_head.weight", (cfg["vocab_size"], d), False),
-           (p + "input_layernorm.weight", (d,), False), (p + "post_attention_layernorm.weight", (d,), False),
-           (p + "self_attn.q_a_proj.weight", (cfg["q_lora_rank"], d), True),
-           (p + "self_attn.q_a_layernorm.weight", (cfg["q_lora_rank"],), False),
-           (p + "self_attn.q_b_proj.weight", (h * qk, cfg["q_lora_rank"]), True),
-           (p + "self_attn.kv_a_proj_with_mqa.weight", (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], d), True),
-           (p + "self_attn.kv_a_layernorm.weight", (cfg["kv_lora_rank"],), False),
-           (p + "self_attn.kv_b_proj.weight", (h * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]),
-                                               cfg["kv_lora_rank"]), True),
-           (p + "self_attn.o_proj.weight", (d, h * cfg["v_head_dim"]), True),
-           (p + "mlp.gate.weight", (cfg["n_routed_experts"], d), False),
-           (p + "mlp.gate.e_score_correction_bias", (cfg["n_routed_experts"],), False)]
-    for proj, shape in (("gate_proj", (i, d)), ("up_proj", (i, d)), ("down_proj", (d, i))):
-        out.append((p + f"mlp.shared_experts.{proj}.weight", shape, True))
-    for e in range(cfg["n_routed_experts"]):
-        for proj, shape in (("gate_proj", (i, d)), ("up_proj", (i, d)), ("down_proj", (d, i))):
-            out.append((p + f"mlp.experts.{e}.{proj}.weight", shape, True))
-    return out
+class _MemoryReader:
+    """The weights of some experts held in memory, read like a TensorReader (for the arithmetic-only timing)."""
+
+    def __init__(self, reader, names):
+        self.tensors = {n: reader.weight(n) for n in names}
+
+    def weight(self, name, shape=None):
+        return self.tensors[name]
 
 
-def write_source(root: Path, n_experts: int, fp8: bool, experts_per_shard: int = 8) -> Path:
-    """Stream a synthetic checkpoint to disk shard by shard, one tensor in memory at a time."""
-    from dsv3lite.quant.fp8 import fp8_block_quantize, scale_grid_shape
-    from dsv3lite.quant.tensorfile import TensorFileWriter
-
-    root.mkdir(parents=True)
-    cfg = synthetic_config(n_experts)
-    if fp8:
-        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                      "weight_block_size": [128, 128]}
-    (root / "config.json").write_text(json.dumps(cfg, indent=2))
-    shards: dict[str, list] = {}
-    for name, shape, proj in synthetic_tensors(cfg):
-        e = int(name.split(".")[5]) if ".mlp.experts." in name else -1
-        shards.setdefault(f"model-{e // experts_per_shard + 2 if e >= 0 else 1:05d}.safetensors", []).append(
-            (name, shape, proj))
-    gen = torch.Generator().manual_seed(0)
-    weight_map = {}
-    for shard, items in shards.items():
-        entries = []
-        for name, shape, proj in items:
-            if fp8 and proj:
-                entries += [(name, "F8_E4M3", shape), (name + "_scale_inv", "F32", scale_grid_shape(*shape))]
-            else:
-                entries.append((name, "F32" if name.endswith("bias") else "BF16", shape))
-        with TensorFileWriter.create(root / shard, entries, {"format": "pt"}) as w:
-            for name, shape, proj in items:
-                if len(shape) == 1:
-                    t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-                    t = t if name.endswith("bias") else t.to(torch.bfloat16)
-                else:
-                    t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-                if fp8 and proj:
-                    q, scale = fp8_block_quantize(t)
-                    w.write(name, q)
-                    w.write(name + "_scale_inv", scale)
-                else:
-                    w.write(name, t)
-        weight_map.update({n: shard for n, _, _ in entries})
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return root
-
-
-def child(src: str, dst: str, fmt: str, threads: str) -> None:
-    """Run one quantize in this process and print one JSON line with its figures."""
+def child(src: str, dst: str, fmt: str, fast: bool, workers: int, device: str) -> None:
+    """One quantize in this process, then the same experts from memory; prints one JSON line."""
     import psutil
 
-    if int(threads):
-        torch.set_num_threads(int(threads))
-
-    from dsv3lite.quant.checkpoint import DENSE_FILE, EXPERTS_FILE, plan_quantize, quantize_checkpoint
+    from dsv3lite.hf_checkpoint import PROJECTIONS, TensorReader, expert_tensor_name
+    from dsv3lite.quant import checkpoint as ck
 
     base_rss = psutil.Process().memory_info().rss
-    plan = plan_quantize(src, dst, fmt)
-    src_bytes = sum(f.stat().st_size for f in Path(src).glob("*.safetensors"))
+    phase = {}
+
+    def timed(name, fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            fn(*a, **kw)
+            phase[name] = time.perf_counter() - t0
+        return run
+
+    ck._write_dense, ck._write_experts = timed("dense", ck._write_dense), timed("experts", ck._write_experts)
     t0 = time.perf_counter()
-    quantize_checkpoint(src, dst, experts=fmt, progress=False, log=lambda m: None)
-    seconds = time.perf_counter() - t0
-    out_bytes = (Path(dst) / EXPERTS_FILE).stat().st_size + (Path(dst) / DENSE_FILE).stat().st_size
-    print(json.dumps({"seconds": seconds, "src_bytes": src_bytes, "out_bytes": out_bytes,
-                      "experts": plan.args.n_routed_experts, "expert_src_bytes": plan.expert_src_bytes,
-                      "base_rss": base_rss, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    ck.quantize_checkpoint(src, dst, experts=fmt, fast=fast, device=device, workers=workers or None,
+                           progress=False, log=lambda m: None)
+    total = time.perf_counter() - t0
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    plan = ck.plan_quantize(src, dst + ".again", fmt, fast=fast)
+    dev = ck.resolve_device(device)
+    n_workers = workers or ck.default_workers(dev)
+    jobs = [(layer, e) for layer in plan.moe_layers for e in range(plan.args.n_routed_experts)]
+    with TensorReader(plan.index) as reader:
+        memory = _MemoryReader(reader, [expert_tensor_name(layer, e, p) for layer, e in jobs for p in PROJECTIONS])
+    with ck._one_torch_thread_each(n_workers, dev):
+        t0 = time.perf_counter()
+        for _ in ck.pack_experts(memory, jobs, plan.fmt, plan.layout, dev, n_workers):
+            pass
+        arithmetic = time.perf_counter() - t0
+    print(json.dumps({"experts": len(jobs), "total": total, "dense": phase["dense"], "pipeline": phase["experts"],
+                      "arithmetic": arithmetic, "workers": n_workers, "device": dev.type,
+                      "peak_rss": peak_rss, "base_rss": base_rss}))
+
+
+def search_table() -> str:
+    from dsv3lite.quant.fp8 import fp8_block_dequant, fp8_block_quantize
+    from dsv3lite.quant.int4 import CLIP_SEARCH, EXHAUSTIVE, ClipSearch, int4_dequant, int4_quantize
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    shape = (2048, 7168)
+    gauss = torch.randn(shape, generator=gen) * 0.02
+    q, s = fp8_block_quantize(torch.randn(shape, generator=gen) * 0.02)
+    t4 = torch.distributions.StudentT(torch.tensor(4.0)).sample(shape) * 0.02
+    mats = {"gaussian": gauss, "FP8 gaussian": fp8_block_dequant(q, s).float(), "Student t4": t4}
+    searches = [("exhaustive (earlier default)", EXHAUSTIVE), ("min/max (--fast)", False),
+                ("shrink .9 .8 .7", ClipSearch((0.9, 0.8, 0.7), ())),
+                ("ends -.05", ClipSearch((), (-0.05,))),
+                ("shrink .9 .8, ends -.05", ClipSearch((0.9, 0.8), (-0.05,))),
+                ("shrink .85, ends ±.05", ClipSearch((0.85,), (-0.05, 0.05))),
+                ("shrink .9 .8, ends ±.05 (default)", CLIP_SEARCH),
+                ("shrink .9 .8 .7, ends ±.05", ClipSearch((0.9, 0.8, 0.7), (-0.05, 0.05))),
+                ("shrink .9 .8, ends -.1 -.05 +.05", ClipSearch((0.9, 0.8), (-0.1, -0.05, 0.05)))]
+
+    def sq_error(w, search):
+        qw, sc, z = int4_quantize(w, 128, search)
+        return ((int4_dequant(qw, sc, z, w.shape[1], 128) - w) ** 2).sum().item()
+
+    base = {k: sq_error(w, EXHAUSTIVE) for k, w in mats.items()}
+    lines = ["| search | candidates | s per 2048x7168 matrix, 1 thread | "
+             + " | ".join(f"error vs exhaustive, {k}" for k in mats) + " |",
+             "|---|---|---|" + "---|" * len(mats)]
+    for label, search in searches:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            int4_quantize(gauss, 128, search)
+            times.append(time.perf_counter() - t0)
+        cand = 1 if search is False else search.candidates
+        ratios = " | ".join(f"{sq_error(w, search) / base[k]:.4f}" for k, w in mats.items())
+        lines.append(f"| {label} | {cand} | {min(times):.3f} | {ratios} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--experts", type=int, default=32, help="routed experts in the synthetic layer")
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
-    ap.add_argument("--sources", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    ap.add_argument("--workdir", default=None, help="where the synthetic checkpoints go (default: a temp dir)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads in each quantize (0: torch's default)")
-    ap.add_argument("--child", nargs=4, metavar=("SRC", "DST", "FMT", "THREADS"), help=argparse.SUPPRESS)
+    ap.add_argument("--experts", type=int, default=32, help="routed experts in the slice's MoE layer")
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), help="SOURCE:FORMAT[:fast] (default: %(default)s)")
+    ap.add_argument("--workers", type=int, default=0, help="experts in flight (0: quantize's default)")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--workdir", default=None, help="where the slices go (default: a temp dir)")
+    ap.add_argument("--search-table", action="store_true", help="only the clip-search table")
+    ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        return child(*a.child)
+        src, dst, fmt, fast, workers, device = a.child
+        return child(src, dst, fmt, fast == "1", int(workers), device)
+    head = (f"{datetime.date.today()}, torch {torch.__version__}, {os.cpu_count()} CPUs ({platform.machine()}), "
+            f"load average {os.getloadavg()[0]:.1f} at start")
+    if a.search_table:
+        print(head + "\n\n" + search_table())
+        return
 
     work = Path(tempfile.mkdtemp(prefix="dsv3lite-qspeed-", dir=a.workdir))
-    rows, a.load_before = [], os.getloadavg()[0]
+    rows, sources = [], {}
     try:
-        for source in a.sources:
-            t0 = time.perf_counter()
-            src = write_source(work / f"src-{source}", a.experts, fp8=source == "fp8")
-            print(f"wrote the {source} source ({a.experts} experts of {INTER}x{HIDDEN}) in "
-                  f"{time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-            for fmt in a.formats:
-                dst = work / f"out-{source}-{fmt}"
-                res = subprocess.run([sys.executable, __file__, "--child", str(src), str(dst), fmt, str(a.threads)],
-                                     capture_output=True, text=True)
-                if res.returncode:
-                    sys.exit(f"quantize {source} -> {fmt} failed:\n{res.stderr}")
-                r = json.loads(res.stdout.strip().splitlines()[-1])
-                rows.append((source, fmt, r))
-                print(row_text(source, fmt, r), file=sys.stderr, flush=True)
-                shutil.rmtree(dst)
-            shutil.rmtree(src)
+        for row in a.rows:
+            source, fmt, *flag = row.split(":")
+            if source not in sources:
+                t0 = time.perf_counter()
+                sources[source] = write_source(work / f"src-{source}", a.experts, source)
+                print(f"wrote the {source} slice ({a.experts} experts) in {time.perf_counter() - t0:.0f}s",
+                      file=sys.stderr, flush=True)
+            dst = work / f"out-{row.replace(':', '-')}"
+            res = subprocess.run([sys.executable, __file__, "--child", str(sources[source]), str(dst), fmt,
+                                  "1" if flag == ["fast"] else "0", str(a.workers), a.device],
+                                 capture_output=True, text=True)
+            if res.returncode:
+                sys.exit(f"quantize {row} failed:\n{res.stderr}")
+            r = json.loads(res.stdout.strip().splitlines()[-1])
+            rows.append((row, r))
+            print(row_text(row, r), file=sys.stderr, flush=True)
+            shutil.rmtree(dst, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    a.load_after = os.getloadavg()[0]
-    print(table(rows, a))
+    print(f"{head}, {os.getloadavg()[0]:.1f} at the end; {a.experts} experts of 2048x7168\n")
+    print("| source | experts | --fast | workers, device | pipeline s/expert | arithmetic s/expert | overhead "
+          "| dense phase s | total s | peak RSS GiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(row_text(row, r) for row, r in rows))
 
 
-def row_text(source, fmt, r) -> str:
-    gib = 2 ** 30
-    return (f"| {source} | {fmt}{' (passthrough)' if source == fmt == 'fp8' else ''} | {r['src_bytes'] / gib:.2f} "
-            f"| {r['seconds']:.1f} | {r['src_bytes'] / r['seconds'] / 1e9:.3f} "
-            f"| {r['experts'] / r['seconds']:.2f} | {r['peak_rss'] / gib:.2f} "
-            f"| {(r['peak_rss'] - r['base_rss']) / gib:.2f} | {(r['peak_rss'] - r['base_rss']) / BF16_EXPERT:.1f} |")
-
-
-def table(rows, a) -> str:
-    cpu = platform.processor() or platform.machine()
-    head = (f"{a.experts} experts of {INTER}x{HIDDEN} (one expert: {BF16_EXPERT / 2**20:.0f} MiB bf16), "
-            f"torch {torch.__version__}, {a.threads or torch.get_num_threads()} of {os.cpu_count()} CPU threads "
-            f"({cpu}), page cache warm, load average "
-            f"{a.load_before:.1f} before / {a.load_after:.1f} after\n\n"
-            "| source | experts | source GiB | s | GB/s (source) | experts/s | peak RSS GiB | RSS above imports GiB "
-            "| RSS above imports, in bf16 experts |\n|---|---|---|---|---|---|---|---|---|")
-    return head + "\n" + "\n".join(row_text(s, f, r) for s, f, r in rows)
+def row_text(row: str, r: dict) -> str:
+    source, fmt, *flag = row.split(":")
+    n = r["experts"]
+    return (f"| {source} | {fmt} | {'yes' if flag else ''} | {r['workers']}, {r['device']} "
+            f"| {r['pipeline'] / n:.3f} | {r['arithmetic'] / n:.3f} | {r['pipeline'] / r['arithmetic'] - 1:+.0%} "
+            f"| {r['dense']:.1f} | {r['total']:.1f} | {r['peak_rss'] / 2**30:.2f} |")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ GROUP_SIZES = (32, 64, 128)
 QMAX = 15
 MIN_RATIO = 0.3
 FP16_TINY = 2.0 ** -24  # smallest positive float16
-CHUNK_ELEMENTS_CPU = 1 << 16  # a row chunk and its two temporaries stay in a core's L2
+CHUNK_ELEMENTS_CPU = 1 << 17  # a row chunk and its temporaries stay in a core's L2 (measured best of 2^13..2^18)
 CHUNK_ELEMENTS_GPU = 1 << 26
 
 
@@ -75,33 +75,45 @@ def _group_sq_error(wg, s, z, valid):
     return torch.linalg.vecdot(err, err).unsqueeze(-1).mul_(s * s)
 
 
-def _least_error(wg, valid, lo, hi, best, r_lo, r_hi):
+def _chunked_errors(wg, s, z, valid, rows):
+    """_group_sq_error over row chunks of `rows` (each chunk's temporaries stay in cache)."""
+    n = wg.shape[0]
+    err = torch.empty(torch.broadcast_shapes(s.shape, wg.shape[:-1] + (1,)), device=wg.device)
+    for i in range(0, n, rows):
+        err[..., i:i + rows, :, :] = _group_sq_error(wg[i:i + rows], s[..., i:i + rows, :, :],
+                                                     z[..., i:i + rows, :, :], valid)
+    return err
+
+
+def _least_error(wg, valid, rows, lo, hi, best, r_lo, r_hi):
     """The incumbent best = (r_lo, r_hi, error), each [N, G, 1], replaced per group by the candidate of least error
     among r_lo, r_hi [C, N, G, 1] (broadcastable) where one is below its error; the first of equal errors wins, as
     when candidates are tried one by one."""
+    c, shape = max(r_lo.shape[0], r_hi.shape[0]), lo.shape
+    r_lo, r_hi = r_lo.expand((c,) + shape), r_hi.expand((c,) + shape)
     s, z = _scale_zero(lo * r_lo, hi * r_hi)
-    err = torch.cat([best[2][None], _group_sq_error(wg, s, z, valid)])       # [1 + C, N, G, 1]
-    pick = err.movedim(0, -1).contiguous().argmin(dim=-1)[None]             # [1, N, G, 1]; C innermost: faster
-    c, shape = err.shape[0] - 1, err.shape[1:]
-    r_lo, r_hi = (torch.cat([b.expand(shape)[None], r.expand((c,) + shape)]) for b, r in zip(best, (r_lo, r_hi)))
+    err = torch.cat([best[2][None], _chunked_errors(wg, s, z, valid, rows)])      # [1 + C, N, G, 1]
+    pick = err.movedim(0, -1).contiguous().argmin(dim=-1)[None]                   # [1, N, G, 1]; C innermost: faster
+    r_lo, r_hi = (torch.cat([b[None], r]) for b, r in zip(best, (r_lo, r_hi)))
     return r_lo.gather(0, pick)[0], r_hi.gather(0, pick)[0], err.gather(0, pick)[0]
 
 
-def _search_scale_zero(wg: torch.Tensor, valid: torch.Tensor | None, search: ClipSearch | None):
-    """Per-group (s, z) [N, G, 1], vectorised over all groups and over the candidates of each stage."""
+def _search_scale_zero(wg: torch.Tensor, valid: torch.Tensor | None, search: ClipSearch | None, rows: int):
+    """Per-group (s, z) [N, G, 1]: per-group steps on the whole matrix at once, each stage's candidates batched, the
+    error sums (the only work over every element) in row chunks of `rows`."""
     lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)  # padding is 0: neutral
     s, z = _scale_zero(lo, hi)
     if search is None:
         return s, z
     one = torch.ones_like(lo)
-    best = (one, one, _group_sq_error(wg, s, z, valid))
+    best = (one, one, _chunked_errors(wg, s, z, valid, rows))
     if search.shrink:
         ratios = torch.tensor(search.shrink, device=wg.device).view(-1, 1, 1, 1)
-        best = _least_error(wg, valid, lo, hi, best, ratios, ratios)
+        best = _least_error(wg, valid, rows, lo, hi, best, ratios, ratios)
     if search.end_steps:
         steps = torch.tensor(search.end_steps, device=wg.device).view(-1, 1, 1, 1)
-        best = _least_error(wg, valid, lo, hi, best, (best[0] + steps).clamp(MIN_RATIO, 1.0), best[1])
-        best = _least_error(wg, valid, lo, hi, best, best[0], (best[1] + steps).clamp(MIN_RATIO, 1.0))
+        best = _least_error(wg, valid, rows, lo, hi, best, (best[0] + steps).clamp(MIN_RATIO, 1.0), best[1][None])
+        best = _least_error(wg, valid, rows, lo, hi, best, best[0][None], (best[1] + steps).clamp(MIN_RATIO, 1.0))
     return _scale_zero(lo * best[0], hi * best[1])
 
 
@@ -116,40 +128,36 @@ def int4_quantize(w: torch.Tensor, group_size: int = 128, clip_search: bool | Cl
     """w [N, K] float -> (qweight uint8 [N, Kp/2], scales float16 [N, Kp/g], zeros float16 [N, Kp/g]).
 
     `clip_search`: True for CLIP_SEARCH, False for plain min/max ranges, or a ClipSearch. With `scale_inv`
-    (an FP8 checkpoint's block grid), w is float8_e4m3fn, dequantized here chunk by chunk the project's one way
+    (an FP8 checkpoint's block grid), w is float8_e4m3fn, dequantized here the project's one way
     (quant.fp8.fp8_block_dequant), so the result equals quantizing the dequantized matrix.
-    Row chunks are independent and every step is elementwise or within one group: the result does not depend
+    Every step is elementwise or within one group, and row chunks are independent: the result does not depend
     on the chunking, the thread count or the device (CPU and CUDA round every operation alike)."""
     search = CLIP_SEARCH if clip_search is True else (clip_search or None)
     n, k = w.shape
     g = group_size
     kp = padded_k(k, g)
+    rows = _chunk_rows(n, kp, w.device)
     valid = None
     if kp != k:
         valid = torch.zeros(kp, dtype=torch.float32, device=w.device)
         valid[:k] = 1.0
         valid = valid.view(kp // g, g)
-    qweight = torch.empty(n, kp // 2, dtype=torch.uint8, device=w.device)
-    scales = torch.empty(n, kp // g, dtype=torch.float16, device=w.device)
-    zeros = torch.empty_like(scales)
-    rows = _chunk_rows(n, kp, w.device)
+    if scale_inv is None and kp == k and w.dtype == torch.float32:
+        wp = w.contiguous()
+    else:
+        wp = torch.zeros(n, kp, dtype=torch.float32, device=w.device)
+        for i in range(0, n, rows):              # FP8 blocks dequantized a chunk at a time, in cache
+            chunk = w[i:i + rows]
+            if scale_inv is not None:
+                chunk = fp8_block_dequant(chunk, scale_inv[i // BLOCK:-(-(i + rows) // BLOCK)], torch.float32)
+            wp[i:i + rows, :k] = chunk
+    wg = wp.view(n, kp // g, g)
+    s, z = _search_scale_zero(wg, valid, search, rows)
+    qweight = torch.empty(n, kp // g, g // 2, dtype=torch.uint8, device=w.device)
     for i in range(0, n, rows):
-        chunk = w[i:i + rows]
-        if scale_inv is not None:
-            chunk = fp8_block_dequant(chunk, scale_inv[i // BLOCK:-(-(i + rows) // BLOCK)], torch.float32)
-        r = chunk.shape[0]
-        if kp != k or chunk.dtype != torch.float32:
-            wp = torch.zeros(r, kp, dtype=torch.float32, device=w.device)
-            wp[:, :k] = chunk
-        else:
-            wp = chunk
-        wg = wp.view(r, kp // g, g)
-        s, z = _search_scale_zero(wg, valid, search)
-        q = _quant_codes(wg, s, z).to(torch.uint8)                    # [r, G, g]
-        torch.bitwise_or(q[..., : g // 2], q[..., g // 2:] << 4, out=qweight[i:i + r].view(r, kp // g, g // 2))
-        scales[i:i + r] = s.squeeze(-1)
-        zeros[i:i + r] = z.squeeze(-1)
-    return qweight, scales, zeros
+        q = _quant_codes(wg[i:i + rows], s[i:i + rows], z[i:i + rows]).to(torch.uint8)   # [r, G, g]
+        torch.bitwise_or(q[..., : g // 2], q[..., g // 2:] << 4, out=qweight[i:i + rows])
+    return qweight.view(n, kp // 2), s.squeeze(-1).half(), z.squeeze(-1).half()
 
 
 def int4_unpack_codes(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
