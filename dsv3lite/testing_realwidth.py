@@ -46,7 +46,8 @@ def realwidth_config(layers: int = 3, dense_layers: int = 1, experts: int = 16, 
     cfg = dict(cfg, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=vocab,
                num_hidden_layers=layers, first_k_dense_replace=dense_layers, moe_layer_freq=1,
                n_routed_experts=experts, n_group=groups, topk_group=4 if groups > 1 else 1,
-               num_experts_per_tok=min(8, experts), num_nextn_predict_layers=1 if mtp else 0,
+               num_experts_per_tok=(widths or {}).get("num_experts_per_tok", min(8, experts)),
+               num_nextn_predict_layers=1 if mtp else 0,
                hidden_act="silu", attention_bias=False, attention_dropout=0.0, tie_word_embeddings=False,
                bos_token_id=0, eos_token_id=1, initializer_range=INIT_STD, use_cache=True, torch_dtype="bfloat16")
     if fp8:
