@@ -28,11 +28,11 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def inference_views(owner: nn.Module, tensors: tuple[torch.Tensor, ...], build):
     """build() -> views of `tensors` (transposes, per-expert slices), kept on `owner` between inference-mode calls
-    so a decode step does not re-derive them; rebuilt when the tensors change storage, never kept (nor built from
-    a cache) outside inference mode, where autograd must see the parameters themselves."""
+    so a decode step does not re-derive them; rebuilt when a tensor changes storage (a load, .to()), never kept (nor
+    built from a cache) outside inference mode, where autograd must see the parameters themselves."""
     if not torch.is_inference_mode_enabled():
         return build()
-    key = tuple((t.data_ptr(), t.dtype, t.device) for t in tensors)
+    key = [t.data_ptr() for t in tensors]
     cached = owner.__dict__.get("_inference_views")
     if cached is None or cached[0] != key:
         cached = owner.__dict__["_inference_views"] = (key, build())
@@ -40,14 +40,18 @@ def inference_views(owner: nn.Module, tensors: tuple[torch.Tensor, ...], build):
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias) whose inference forward is the product linear() reduces to, x @ W^T as one mm over the
+    """A bias-free nn.Linear whose inference forward is the product linear() reduces to, x @ W^T as one mm over the
     flattened rows (the same kernel on the same operands, so the same bits), with W^T kept between calls: a decode
     step is hundreds of tiny products, and linear's dispatch layers cost more than the product itself."""
 
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is not None or not torch.is_inference_mode_enabled():
-            return F.linear(x, self.weight, self.bias)
-        wt = inference_views(self, (self.weight,), self.weight.t)
+        w = self.weight
+        if not torch.is_inference_mode_enabled():
+            return F.linear(x, w)
+        wt = inference_views(self, (w,), w.t)
         if x.dim() == 2:
             return torch.mm(x, wt)
         return torch.mm(x.reshape(-1, x.shape[-1]), wt).view(*x.shape[:-1], wt.shape[1])
@@ -122,8 +126,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     as x * cos + swap_halves(x) * sin with sin = [-sin | sin] (the same bits: negation is exact).
     """
     if interleave:
-        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+        first, second = x[..., 0::2], x[..., 1::2]
+        x = torch.cat((first, second), dim=-1)
+    else:
+        half = x.shape[-1] // 2
+        first, second = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((second, first), dim=-1) * sin          # swap_halves(x) without a roll
 
 
 # --- attention ---------------------------------------------------------------------------------------
@@ -141,10 +149,10 @@ class Indexer(nn.Module):
         super().__init__()
         self.args = args
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
-        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = Linear(args.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = Linear(args.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = Linear(args.hidden_size, self.n_heads, bias=False)    # kept in fp32 (as transformers)
+        self.weights_proj = Linear(args.hidden_size, self.n_heads)    # kept in fp32 (as transformers)
         self.scale = self.head_dim ** -0.5
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -189,15 +197,15 @@ class MLA(nn.Module):
         self.n_heads = args.num_attention_heads
         d, h = args.hidden_size, args.num_attention_heads
         if args.q_lora_rank:
-            self.wq_a = Linear(d, args.q_lora_rank, bias=False)
+            self.wq_a = Linear(d, args.q_lora_rank)
             self.q_norm = RMSNorm(args.q_lora_rank, _LATENT_NORM_EPS)
-            self.wq_b = Linear(args.q_lora_rank, h * args.qk_head_dim, bias=False)
+            self.wq_b = Linear(args.q_lora_rank, h * args.qk_head_dim)
         else:
-            self.wq = Linear(d, h * args.qk_head_dim, bias=False)
-        self.wkv_a = Linear(d, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+            self.wq = Linear(d, h * args.qk_head_dim)
+        self.wkv_a = Linear(d, args.kv_lora_rank + args.qk_rope_head_dim)
         self.kv_norm = RMSNorm(args.kv_lora_rank, _LATENT_NORM_EPS)
-        self.wkv_b = Linear(args.kv_lora_rank, h * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
-        self.wo = Linear(h * args.v_head_dim, d, bias=False)
+        self.wkv_b = Linear(args.kv_lora_rank, h * (args.qk_nope_head_dim + args.v_head_dim))
+        self.wo = Linear(h * args.v_head_dim, d)
         self.indexer = Indexer(args) if args.has_indexer else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -307,9 +315,9 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, inter: int):
         super().__init__()
-        self.w1 = Linear(dim, inter, bias=False)   # gate_proj
-        self.w3 = Linear(dim, inter, bias=False)   # up_proj
-        self.w2 = Linear(inter, dim, bias=False)   # down_proj
+        self.w1 = Linear(dim, inter)   # gate_proj
+        self.w3 = Linear(dim, inter)   # up_proj
+        self.w2 = Linear(inter, dim)   # down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -329,7 +337,8 @@ class Gate(nn.Module):
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Unbiased routing scores [N, E] in fp32."""
-        logits = F.linear(as_dtype(x, torch.float32), as_dtype(self.weight, torch.float32))
+        w = as_dtype(self.weight, torch.float32)
+        logits = torch.mm(as_dtype(x, torch.float32), inference_views(self, (w,), w.t))     # F.linear's product
         return logits.sigmoid() if self.args.scoring_func == "sigmoid" else logits.softmax(dim=-1)
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
@@ -343,8 +352,8 @@ class Gate(nn.Module):
             else:
                 group_scores = grouped.amax(dim=-1)
             keep = group_scores.topk(a.topk_group, dim=-1, sorted=False).indices
-            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view_as(choice)
+            dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+            choice = grouped.masked_fill(dropped[..., None], float("-inf")).view_as(choice)
         return choice.topk(a.num_experts_per_tok, dim=-1, sorted=False).indices
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -528,7 +537,7 @@ class MTPLayer(nn.Module):
         d = args.hidden_size
         self.enorm = RMSNorm(d, args.rms_norm_eps)
         self.hnorm = RMSNorm(d, args.rms_norm_eps)
-        self.eh_proj = Linear(2 * d, d, bias=False)
+        self.eh_proj = Linear(2 * d, d)
         self.block = Block(args, args.mtp_layer_id)
         self.head_norm = RMSNorm(d, args.rms_norm_eps)
 
@@ -550,7 +559,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.head = Linear(args.hidden_size, args.vocab_size)
         self.mtp = MTPLayer(args) if with_mtp else None
         self.rotary = Rotary(args)
         self.observers = Observers()
