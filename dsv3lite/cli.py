@@ -397,10 +397,12 @@ def info(weights, as_json, dense):
         if fp.mtp_dense:
             sizes["MTP (non-expert)"] = round((fp.mtp_dense - kept) * per + kept * 2)
         stored += f"; non-expert weights packed to {dense} (--dense)"
+    host_tier = sizes["routed experts"] + sizes["MTP routed experts"]    # every routed expert blob, as stored
     if as_json:
         click.echo(json.dumps({"weights": str(root), "model_type": a.model_type, "total_params": fp.total,
                                "active_params": fp.active, "components": comps, "component_bytes": sizes,
-                               "stored_as": stored, "kv_bytes_per_token": a.kv_bytes_per_token}))
+                               "stored_as": stored, "kv_bytes_per_token": a.kv_bytes_per_token,
+                               "host_tier_bytes": host_tier}))
         return
     moe = a.moe_layer_ids
     click.echo(f"{root}\n  model_type {a.model_type}: {a.num_hidden_layers} layers ({len(moe)} MoE), hidden {a.hidden_size}, "
@@ -416,6 +418,7 @@ def info(weights, as_json, dense):
     for k, v in comps.items():
         if v:
             click.echo(f"    {k:<20} {format_count(v):>8} params  {format_bytes(sizes[k]):>12}")
+    click.echo(f"  host tier when offloaded: {format_bytes(host_tier)} of routed-expert blobs ({stored.split(';')[0]})")
     values = f"{a.latent_dim} latent" + (f" + {a.index_dim} indexer-key" if a.index_dim else "")
     click.echo(f"  KV cache: {values} values/token/layer = {format_bytes(a.kv_bytes_per_token)} per token "
                f"(bf16, {a.num_hidden_layers} layers)")

@@ -118,3 +118,17 @@ def test_expert_cache_stats_and_bookkeeping_after_generation(v3_dir):
     llm.offload.slots.check()                                         # the slot table's invariants hold
     llm.offload.detach()
     assert llm.offload.observer is None and not llm.model.observers.attention
+
+
+def test_plan_and_info_show_the_host_tier_bytes(capsys):
+    from dsv3lite.cli import main
+    from dsv3lite.quant.formats import get_format
+    from dsv3lite.utils import format_bytes
+
+    a = ModelArgs.from_dir(dsv3lite.demo.DEMO_DIR)
+    blob = get_format("bf16").layout(a.moe_intermediate_size, a.hidden_size).blob_bytes
+    expected = format_bytes((len(a.moe_layer_ids) + 1) * a.n_routed_experts * blob)     # MTP layer included
+    assert main(["plan", "--gpu-mem", "131M"]) == 0
+    assert f"host tier: {expected} of expert blobs" in capsys.readouterr().out
+    assert main(["info"]) == 0
+    assert f"host tier when offloaded: {expected}" in capsys.readouterr().out

@@ -44,6 +44,11 @@ class OffloadPlan:
         return self.n_slots * self.slot_bytes
 
     @property
+    def host_bytes(self) -> int:
+        """The host tier: every routed expert as one blob, allocated exactly (offload/host_memory.py)."""
+        return self.total_experts * self.slot_bytes
+
+    @property
     def fraction_resident(self) -> float:
         return min(self.n_slots / self.total_experts, 1.0) if self.total_experts else 1.0
 
@@ -63,6 +68,9 @@ class OffloadPlan:
                      f"of --gpu-mem {format_bytes(self.budget)}")
         lines.append(f"  experts resident: {min(self.n_slots, self.total_experts)} / {self.total_experts} "
                      f"({self.fraction_resident:.1%})")
+        if not self.all_resident:
+            lines.append(f"  host tier: {format_bytes(self.host_bytes)} of expert blobs in host memory (pinned when "
+                         f"RAM and --cpu-mem allow, else mapped from disk)")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
