@@ -145,7 +145,8 @@ def int4_quantize(w: torch.Tensor, group_size: int = 128, clip_search: bool | Cl
     if scale_inv is None and kp == k and w.dtype == torch.float32:
         wp = w.contiguous()
     else:
-        wp = torch.zeros(n, kp, dtype=torch.float32, device=w.device)
+        wp = torch.empty(n, kp, dtype=torch.float32, device=w.device)
+        wp[:, k:] = 0.0
         for i in range(0, n, rows):              # FP8 blocks dequantized a chunk at a time, in cache
             chunk = w[i:i + rows]
             if scale_inv is not None:
