@@ -15,8 +15,9 @@ from typing import Iterator
 import torch
 
 from .errors import UserError
-from .limits import ABSORB_MAX_TOKENS, PREFILL_CHUNK
+from .limits import ABSORB_MAX_TOKENS, LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from .offload.stats import empty_expert_cache_stats
+from .prefill import prefill_hidden
 from .sampling import SamplingParams, sample, sampling_probs
 from .speculative import Speculator
 
@@ -266,11 +267,16 @@ class Engine:
         self.cached_tokens = self.cached_tokens[:common]
         self.last.cached_prompt_tokens = common
         hiddens, logits = [], None
-        for start in range(common, len(ids), PREFILL_CHUNK):
-            chunk = ids[start:start + PREFILL_CHUNK]
-            h, logits = self._forward(chunk, start, all_logits=False)
+        for start in range(common, len(ids), LAYER_MAJOR_TOKENS):
+            group = ids[start:start + LAYER_MAJOR_TOKENS]
+            if len(group) <= PREFILL_CHUNK:
+                h, logits = self._forward(group, start, all_logits=False)
+            else:                                      # layer-major: each MoE layer's experts once per group
+                x = torch.tensor([group], dtype=torch.long, device=self.device)
+                h = prefill_hidden(self.model, x, start, self._main_cache())[0]
+                logits = self.model.head(h[-1:])
             hiddens.append(h)
-            self.cached_tokens = ids[:start + len(chunk)]
+            self.cached_tokens = ids[:start + len(group)]
         return logits[-1], torch.cat(hiddens), common
 
     def _generate(self, ids: list[int], params: SamplingParams) -> Iterator[Chunk]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ..config import ModelArgs
 from ..errors import UserError
 from ..footprint import footprint, indexer_fp32_params, unpacked_attention_params
-from ..limits import PREFILL_CHUNK
+from ..limits import LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from ..model import INDEX_SCORE_ELEMENTS
 from ..utils import format_bytes
 
@@ -112,7 +112,10 @@ def workspace_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
     if a.has_indexer:   # the indexer's fp32 scores (blocks of queries, ~3 live copies) and the chunk's sparse mask
         block = min(chunk * a.index_n_heads * ctx_size, max(INDEX_SCORE_ELEMENTS, a.index_n_heads * ctx_size))
         scores += 3 * 4 * block + 2 * chunk * ctx_size
-    return logits + hidden + expanded_kv + scores + SLACK_BYTES
+    # a layer-major prefill group's hidden states, held across each layer (dsv3lite/prefill.py): the residual,
+    # its norm, the routed output and the observers' concatenated copy
+    group = min(LAYER_MAJOR_TOKENS, ctx_size) * a.hidden_size * dense_bytes * 4 if ctx_size > chunk else 0
+    return logits + hidden + expanded_kv + scores + group + SLACK_BYTES
 
 
 def make_plan(a: ModelArgs, budget: int, ctx_size: int, slot_bytes: int, expert_format: str,
