@@ -119,16 +119,25 @@ def test_bad_device_is_one_line(work, fp8_src, capsys):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_int4_same_bytes_on_every_device_and_chunking(device, monkeypatch):
-    """The GPU path is the CPU code with one chunk per matrix: on the CPU, any chunking gives the same bytes;
-    on a GPU (when there is one) the same bytes as the CPU."""
+    """The GPU path is the CPU code with one chunk per matrix: on the CPU, that chunking gives the same bytes as
+    the CPU's. On a GPU (when there is one) every elementwise step rounds as on the CPU, but the per-group error
+    sums add in another order, so a group whose two best candidates tie to float32 rounding may pick the other:
+    at most 1 group in 10^4 may differ, with the same total error to 1e-6."""
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(300, 7 * 128 + 40, generator=gen) * 0.02
     q, s = fp8_block_quantize(w)
     want = int4_quantize(q, 128, True, scale_inv=s)
     monkeypatch.setattr(int4_mod, "CHUNK_ELEMENTS_CPU", int4_mod.CHUNK_ELEMENTS_GPU)
-    got = int4_quantize(q.to(device), 128, True, scale_inv=s.to(device))
-    for a, b in zip(want, got):
-        assert torch.equal(a, b.cpu()), f"{(a.int() != b.cpu().int()).sum().item()} of {a.numel()} differ"
+    got = [t.cpu() for t in int4_quantize(q.to(device), 128, True, scale_inv=s.to(device))]
+    if device == "cpu":
+        for a, b in zip(want, got):
+            assert torch.equal(a, b), f"{(a.int() != b.int()).sum().item()} of {a.numel()} differ"
+        return
+    differ = (want[1] != got[1]) | (want[2] != got[2])
+    assert differ.float().mean() <= 1e-4, f"{differ.sum().item()} of {differ.numel()} groups differ"
+    errors = [((int4_dequant(*t, w.shape[1], 128) - fp8_block_dequant(q, s).float()) ** 2).sum().item()
+              for t in (want, got)]
+    assert abs(errors[1] / errors[0] - 1) <= 1e-6
 
 
 def test_fused_fp8_int4_equals_quantizing_the_dequantized_weights():
