@@ -28,8 +28,9 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def inference_views(owner: nn.Module, tensors: tuple[torch.Tensor, ...], build):
     """build() -> views of `tensors` (transposes, per-expert slices), kept on `owner` between inference-mode calls
-    so a decode step does not re-derive them; rebuilt when a tensor changes storage (a load, .to()), never kept (nor
-    built from a cache) outside inference mode, where autograd must see the parameters themselves."""
+    so a decode step does not re-derive them (one set of views per owner); rebuilt when a tensor changes storage
+    (a load, .to()), never kept (nor built from a cache) outside inference mode, where autograd must see the
+    parameters themselves."""
     if not torch.is_inference_mode_enabled():
         return build()
     key = [t.data_ptr() for t in tensors]
@@ -281,24 +282,27 @@ class MLA(nn.Module):
         return out.transpose(1, 2)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, dn, kv_lora] and W_UV [H, dv, kv_lora] as views of wkv_b."""
-        a = self.args
-        w = self.wkv_b.weight.view(self.n_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
-        return w[:, :a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:]
+        """W_UK [H, dn, kv_lora] and W_UV^T [H, kv_lora, dv] as views of wkv_b (kept between decode steps)."""
+        a, weight = self.args, self.wkv_b.weight
+
+        def views():
+            w = weight.view(self.n_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
+            return w[:, :a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:].transpose(1, 2)
+        return inference_views(self, (weight,), views)
 
     def _attend_absorbed(self, q_nope, q_pe, kv, selected=None):
         """Attention over the latent cache itself: q_nope is folded into W_UK, V is the latent (decode)."""
         a = self.args
         bsz, seqlen, _, _ = q_nope.shape
         h = self.n_heads
-        w_uk, w_uv = self.absorbed_weights()
+        w_uk, w_uv_t = self.absorbed_weights()
         # q_abs[b, s, h] = q_nope[b, s, h] @ W_UK[h], as one batched matmul over heads
         q_abs = torch.bmm(q_nope.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uk)           # [H, BS, c]
         q_abs = q_abs.transpose(0, 1).reshape(bsz, seqlen, h, a.kv_lora_rank)
         q = torch.cat([q_abs, q_pe], dim=-1)                             # [B, S, H, kv_lora + dr]
         out_latent = mla_attend(q, kv, a.softmax_scale, a.kv_lora_rank, selected)
         # out[b, s, h] = out_latent[b, s, h] @ W_UV[h]^T
-        out = torch.bmm(out_latent.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uv.transpose(1, 2))  # [H, BS, dv]
+        out = torch.bmm(out_latent.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uv_t)  # [H, BS, dv]
         return out.transpose(0, 1).reshape(bsz, seqlen, h, a.v_head_dim)
 
 
