@@ -99,7 +99,11 @@ class Loader:
                 ignored.append(name)
                 continue
             weight, scale = reader.weight(name)
-            tensor = weight if scale is None else dequant_fp8(weight, scale)
+            if scale is not None:     # on a GPU the FP8 bytes cross and are dequantized there
+                on = self.device if self.device.type == "cuda" else weight.device
+                tensor = dequant_fp8(weight.to(on), scale.to(on))
+            else:
+                tensor = weight
             self._place(model, args, name, shard, target, tensor, expected, filled, experts_seen)
 
     def _place(self, model, args, name, shard, target, tensor, expected, filled, experts_seen):

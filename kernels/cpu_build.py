@@ -91,6 +91,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_moe.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int, _c_int]
     lib.dsv3_linear.restype = _c_int
     lib.dsv3_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int]
+    lib.dsv3_fp8_dequant.restype = _c_int
+    lib.dsv3_fp8_dequant.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int]
     return lib
 
 

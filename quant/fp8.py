@@ -52,10 +52,26 @@ def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_block_dequant(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """bf16(fp32(q) * s[i // 128, j // 128]) cast to `dtype`; q [N, K] float8_e4m3fn, s float32 block grid."""
+    """bf16(fp32(q) * s[i // 128, j // 128]) cast to `dtype`; q [N, K] float8_e4m3fn, s float32 block grid. On CPU
+    the compiled kernel (kernels/csrc/cpu_kernels.cpp, all cores, the same bits) where there is one, else the twin."""
     n, k = q.shape
     if tuple(s.shape) != scale_grid_shape(n, k):
         raise ValueError(f"scale grid {tuple(s.shape)} does not fit weight {(n, k)}: expected {scale_grid_shape(n, k)}")
+    if q.device.type == "cpu" and q.numel():
+        from ..kernels import cpu_build
+
+        lib = cpu_build.library()
+        if lib is not None:
+            qc, sc = q.contiguous(), s.float().contiguous()
+            out = torch.empty(n, k, dtype=torch.bfloat16)
+            lib.dsv3_fp8_dequant(qc.data_ptr(), sc.data_ptr(), out.data_ptr(), n, k, 0)
+            return out if dtype == torch.bfloat16 else out.to(dtype)
+    return fp8_block_dequant_ref(q, s, dtype)
+
+
+def fp8_block_dequant_ref(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The twin of fp8_block_dequant, in PyTorch (any device)."""
+    n, k = q.shape
     s = s.float()
     out = torch.empty(n, k, dtype=dtype, device=q.device)
     # one block row at a time on CPU (its fp32 copy stays in cache), the whole matrix at once on a GPU
