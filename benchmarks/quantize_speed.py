@@ -54,6 +54,14 @@ class _MemoryReader:
         return self.tensors[name]
 
 
+def _peak_rss() -> int:
+    """This process's peak RSS since exec (VmHWM; ru_maxrss would include the parent's at fork)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def child(src: str, dst: str, fmt: str, fast: bool, workers: int, device: str) -> None:
     """One quantize in this process, then the same experts from memory; prints one JSON line."""
     import psutil
@@ -76,7 +84,7 @@ def child(src: str, dst: str, fmt: str, fast: bool, workers: int, device: str) -
     ck.quantize_checkpoint(src, dst, experts=fmt, fast=fast, device=device, workers=workers or None,
                            progress=False, log=lambda m: None)
     total = time.perf_counter() - t0
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = _peak_rss()
 
     plan = ck.plan_quantize(src, dst + ".again", fmt, fast=fast)
     dev = ck.resolve_device(device)
