@@ -41,9 +41,9 @@ def inference_views(owner: nn.Module, tensors: tuple[torch.Tensor, ...], build):
 
 
 class Linear(nn.Linear):
-    """A bias-free nn.Linear whose inference forward is the product linear() reduces to, x @ W^T as one mm over the
-    flattened rows (the same kernel on the same operands, so the same bits), with W^T kept between calls: a decode
-    step is hundreds of tiny products, and linear's dispatch layers cost more than the product itself."""
+    """A bias-free nn.Linear whose inference forward is the product linear() reduces to, x @ W^T (matmul, or mm for
+    2-D x: the same kernel on the same operands, so the same bits), with W^T kept between calls: a decode step is
+    hundreds of tiny products, and linear's dispatch layers cost more than the product itself."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
@@ -53,9 +53,7 @@ class Linear(nn.Linear):
         if not torch.is_inference_mode_enabled():
             return F.linear(x, w)
         wt = inference_views(self, (w,), w.t)
-        if x.dim() == 2:
-            return torch.mm(x, wt)
-        return torch.mm(x.reshape(-1, x.shape[-1]), wt).view(*x.shape[:-1], wt.shape[1])
+        return torch.mm(x, wt) if x.dim() == 2 else torch.matmul(x, wt)     # matmul folds the rows into one mm
 
 
 class RMSNorm(nn.Module):
