@@ -437,7 +437,7 @@ def info(weights, as_json, dense):
               help="int4: skip the clipping search (plain min/max range per group; quicker, a little less exact).")
 @click.option("--device", default="auto", show_default=True,
               help="Where the quantization arithmetic runs: auto (CUDA when available), cpu, cuda or cuda:N. "
-                   "The output is the same on every device.")
+                   "The blobs are the CPU's, up to rare ties between equally good int4 ranges.")
 @click.option("--force", is_flag=True, help="Replace an existing DST.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from DST.partial/.")
 def quantize(src, dst, experts, group_size, dense, fast, device, force, resume):

@@ -445,7 +445,8 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
     Refuses an existing DST unless `force` (and never removes a directory it did not write); `resume` continues
     DST.partial/ after its last finished layer. Ctrl-C raises QuantizeInterrupted (a UserError) with one line.
     `fast`: int4 without the clipping search. `device`: where the quantization arithmetic runs (auto: CUDA when
-    available); the blobs are the same on every device. `workers`: experts quantized at once (default: one per
+    available); a GPU gives the CPU's blobs, up to int4 groups whose two best ranges tie to float32 rounding
+    (its error sums add in another order). `workers`: experts quantized at once (default: one per
     torch CPU thread, two on a GPU); the blobs are the same for any number.
     """
     log = log or _stderr
