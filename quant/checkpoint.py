@@ -10,7 +10,8 @@ Output directory (DST):
   dsv3lite_manifest.json         format, group size, blob layout, dense dtype, MoE layers, source hash, versions
 
 Both safetensors headers are known before any weight is read, so the files are sized up front and filled in place,
-one tensor or one expert at a time: memory stays near a few experts whatever the model size. Work happens in
+one tensor or one expert at a time: memory stays near a few experts whatever the model size. Experts are read and
+quantized on worker threads (one per CPU thread, or on a GPU) while the main thread writes them in order. Work happens in
 DST.partial/ (progress.json there records the finished layers) and is renamed to DST only when complete.
 """
 from __future__ import annotations
