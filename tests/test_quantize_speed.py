@@ -4,9 +4,13 @@ one, --fast skips only that search, FP8 decoding by bits equals torch's, and the
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 import torch
+
+import dsv3lite
 
 from dsv3lite.cli import main
 from dsv3lite.config import ModelArgs
@@ -179,3 +183,15 @@ def test_fp8_block_dequant_by_chunks_equals_the_definition(shape):
     want = (q.float() * expand_block_scales(s, *shape)).to(torch.bfloat16)
     assert torch.equal(fp8_block_dequant(q, s), want)
     assert torch.equal(fp8_block_dequant(q, s, torch.float32), want.float())
+
+
+def test_eta_in_the_progress_bar(work):
+    """On a terminal the bar's postfix carries the ETA and the up-front line is printed above the bar."""
+    from test_ux_chat_terminal import Terminal
+
+    dst = work / "eta-bar"
+    term = Terminal([sys.executable, "-m", "dsv3lite.cli", "quantize", str(dsv3lite.DEMO_DIR), str(dst), "--experts",
+                     "int4", "--fast"], dict(os.environ, COLUMNS="120"), columns=120)
+    term.expect(f"wrote {dst}")
+    assert term.close() == 0
+    assert "s per expert" in term.seen and ", ETA " in term.seen
