@@ -45,6 +45,8 @@ def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
     x <<= 7
     x &= -16385                                # clear bit 14 (a copy of the sign): s 0eeee mmm 0000000
     w = x.view(torch.float16).float().mul_(256.0)
+    if w.numel() == 0:
+        return w
     lo, hi = torch.aminmax(w)
     if max(-lo.item(), hi.item()) > FP8_MAX:   # only the NaN codes (0x7f, 0xff) decode past 448 (as 480)
         w = torch.where(w.abs() > FP8_MAX, torch.nan, w)
