@@ -6,8 +6,9 @@ when host RAM allows (one expert = one H2D copy), else served from the mmap'd qu
 ExpertCache: one global pool of equal-size slots shared by all MoE layers ([n_slots, blob_bytes] uint8
 on the device), no write-back; its bookkeeping (expert->slot, pins, in-flight marks, victims) is a
 `SlotTable`. On CUDA, copies run on dedicated streams (demand copies on a higher-priority stream than
-prefetches) with one event per slot; compute waits only on the slots it reads, and a slot is overwritten only
-after the compute that last read it has finished. On CPU the same logic runs against a simulated device
+prefetches) with one event per slot; compute waits only on the slots it reads (the compute stream waits on the
+copy's event, the host never blocks on a copy), and a slot is overwritten only after the compute that last read
+it has finished. On CPU the same logic runs against a simulated device
 tier: a slot pool in host memory, filled by real copies.
 """
 from __future__ import annotations
@@ -50,6 +51,8 @@ class ExpertCache:
         self.slots = SlotTable(n_slots, policy)
         self.pool = torch.empty(n_slots, host.blob_bytes, dtype=torch.uint8, device=device)
         self.ready: list = [None] * n_slots        # CUDA event recorded after the slot's copy (None: waited for)
+        self.copy_end: list = [None] * n_slots     # the end event of the slot's latest copy (clears its in-flight mark)
+        self.stalls: deque = deque()               # (before, after) events around compute-stream waits on copies
         self.released: list = [None] * n_slots     # CUDA event recorded after the last compute that read the slot
         self.counts = CopyCounts()
         if self.cuda:
@@ -94,7 +97,7 @@ class ExpertCache:
                 start.record(stream)
                 self.pool[slot].copy_(src, non_blocking=True)
                 end.record(stream)
-            self.ready[slot] = end
+            self.ready[slot] = self.copy_end[slot] = end
             self.copies[stream].append((key, slot, start, end))
         else:
             t0 = time.perf_counter()
@@ -108,20 +111,22 @@ class ExpertCache:
         return slot
 
     def wait(self, slot: int) -> None:
-        """Make the compute stream wait for the slot's copy; the host blocks only when it is still in flight
-        (that wait is the stall)."""
+        """Make the compute stream wait for the slot's copy; the host never blocks. A wait on a copy still running
+        is timed on the device (two events around it): that is the stall, folded in by collect_copy_time."""
         ev = self.ready[slot]
         if ev is None:
             return
         self.ready[slot] = None
-        key = self.slots.key_of[slot]
-        if key in self.slots.in_flight:            # not yet seen finished by _retire
-            if not ev.query():
-                t0 = time.perf_counter()
-                ev.synchronize()
-                self.counts.stall_s += time.perf_counter() - t0
-            self.slots.mark_ready(key)
-        torch.cuda.current_stream(self.device).wait_event(ev)
+        stream = torch.cuda.current_stream(self.device)
+        if self.slots.key_of[slot] in self.slots.in_flight and not ev.query():
+            before = torch.cuda.Event(enable_timing=True)
+            after = torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(ev)
+            after.record(stream)
+            self.stalls.append((before, after))
+        else:
+            stream.wait_event(ev)
 
     def release(self, slots: list[int]) -> None:
         """Mark the end of the compute that read `slots` (CUDA: an event on the compute stream)."""
@@ -153,8 +158,12 @@ class ExpertCache:
             while queue and queue[0][3].query():
                 key, slot, start, end = queue.popleft()
                 self.counts.copy_s += start.elapsed_time(end) / 1e3
-                if self.ready[slot] is end:
+                if self.copy_end[slot] is end:
+                    self.copy_end[slot] = None
                     self.slots.mark_ready(key)
+        while self.stalls and self.stalls[0][1].query():
+            before, after = self.stalls.popleft()
+            self.counts.stall_s += before.elapsed_time(after) / 1e3
 
     def prefetches_queued(self) -> int:
         """Prefetch copies issued and not yet finished (CPU: copies are synchronous, none)."""
