@@ -143,6 +143,9 @@ class OffloadRuntime:
             self.prefetch_queue = []
             return                                   # prefill: the layer's experts are streamed in bulk
         predicted = self.predictor.predict(layer, h)
+        if not predicted:                            # a dense layer with no MoE layer in reach: keep what is queued
+            self._prefetch()                         # (the next token's predictions) and issue more of it
+            return
         pins: set = set()
         for target, (distance, rows) in predicted.items():
             chosen = {e for row in rows for e in row}
