@@ -122,6 +122,8 @@ def engine_options(temp: float = 0.0, top_p: float = 1.0):
                           "(auto: whichever the start-up cost model says is faster)."),
         click.option("--cache-policy", type=click.Choice(list(POLICIES)), default=OFFLOAD_DEFAULTS.cache_policy,
                      show_default=True, help="Offloading: expert-slot eviction policy."),
+        click.option("--cpu-threads", type=click.IntRange(0, 4096), default=OFFLOAD_DEFAULTS.cpu_threads,
+                     help="Offloading: threads computing misses on the CPU (default 0: torch's thread count)."),
     ]
 
     def decorate(fn):
@@ -137,7 +139,7 @@ def _engine(o: dict):
     return dsv3lite.load(weights=o["weights"], device=o["device"], gpu_mem=o["gpu_mem"], dtype=o["dtype"],
                          ctx_size=o["ctx_size"], mtp=o["mtp"], experts=o["experts"], cpu_mem=o["cpu_mem"],
                          dense=o["dense"], log=log, num_draft_tokens=o["num_draft_tokens"], lookahead=o["lookahead"],
-                         miss_policy=o["miss_policy"], cache_policy=o["cache_policy"])
+                         miss_policy=o["miss_policy"], cache_policy=o["cache_policy"], cpu_threads=o["cpu_threads"])
 
 
 def _sampling(o: dict) -> dict:
