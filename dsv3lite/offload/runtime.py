@@ -55,7 +55,7 @@ class CostModel:
     def describe(self) -> str:
         return (f"H2D {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({self.fetch_s() * 1e3:.2f} ms per expert), CPU "
                 f"{self.cpu_s_1 * 1e3:.2f} ms per expert for 1 token, {self.cpu_s_4 * 1e3:.2f} for 4 "
-                f"({self.threads} threads)")
+                f"({self.threads} thread{'' if self.threads == 1 else 's'})")
 
     @classmethod
     def measure(cls, cache: ExpertCache, fmt: ExpertFormat, layout: BlobLayout, layer_id: int, dtype,
