@@ -24,12 +24,33 @@ from .stats import CopyCounts
 
 
 class HostStore:
-    """Per MoE layer, a uint8 [n_experts, blob_bytes] tensor (pinned, pageable or mmap'd)."""
+    """Per MoE layer, a uint8 [n_experts, blob_bytes] tensor (pinned, pageable or mmap'd). A mapped layer may be
+    replaced by its pinned copy while serving (`swap`, the background pinner): readers take the layer's tensor
+    once per use and keep that reference, so the old mapping stays valid for them."""
 
     def __init__(self, layers: dict[int, torch.Tensor], blob_bytes: int, mode: str):
         self.layers = layers
         self.blob_bytes = blob_bytes
-        self.mode = mode                    # "pinned" | "memory" | "mmap"
+        self.base_mode = mode               # "pinned" | "memory" | "mmap"
+        self.pinned_layers: set[int] = set(layers) if mode == "pinned" else set()
+
+    @property
+    def mode(self) -> str:
+        """"pinned", "memory", "mmap", or "mmap, N of M layers pinned" while the background pinner runs."""
+        if self.base_mode == "mmap" and self.pinned_layers:
+            n, m = len(self.pinned_layers), len(self.layers)
+            return "pinned" if n == m else f"mmap, {n} of {m} layers pinned"
+        return self.base_mode
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self.layers[l].numel() for l in self.pinned_layers)
+
+    def swap(self, layer: int, pinned: torch.Tensor) -> None:
+        """Serve `layer` from its pinned copy from now on (same shape and bytes)."""
+        assert pinned.shape == self.layers[layer].shape and pinned.dtype == torch.uint8
+        self.layers[layer] = pinned
+        self.pinned_layers.add(layer)
 
     def blob(self, key: Key) -> torch.Tensor:
         layer, e = key

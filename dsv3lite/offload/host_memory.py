@@ -37,3 +37,38 @@ def pinned_empty(shape: tuple[int, ...], register=_cudart_register, unregister=_
                         f"or free host RAM")
     weakref.finalize(t, unregister, ptr)
     return t
+
+
+class BackgroundPinner:
+    """Pins a mapped host tier layer by layer in a background thread while the runtime serves from the mapping:
+    each layer is copied into exactly-sized pinned memory (`pin`, default pinned_empty) and swapped in
+    (HostStore.swap); `on_swap(layer)` then runs (the CPU worker refreshes its blob addresses). Stops at the first
+    failure (what is pinned stays pinned) with one line; `join()` waits for it."""
+
+    def __init__(self, host, layers, pin=None, on_swap=None, log=None):
+        import threading
+
+        self.host, self.layers = host, list(layers)
+        self.pin = pin or (lambda shape: pinned_empty(shape))
+        self.on_swap = on_swap or (lambda layer: None)
+        self.log = log or (lambda msg: None)
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="dsv3lite-pin", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for layer in self.layers:
+            src = self.host.layers[layer]
+            try:
+                pinned = self.pin(tuple(src.shape))
+                pinned.copy_(src)
+            except Exception as e:                       # noqa: BLE001 (any failure ends pinning, not serving)
+                self.error = str(e)
+                n = len(self.host.pinned_layers)
+                self.log(f"note: background pinning stopped after {n} layer{'' if n == 1 else 's'}: {e}")
+                return
+            self.host.swap(layer, pinned)
+            self.on_swap(layer)
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)

@@ -111,6 +111,7 @@ class OffloadRuntime:
         self.prefetch_queue: list = []                    # predicted keys not yet issued, nearest first
         self.memory_checks = 0                            # 1 after a prefill, +1 per decode step up to 3
         self.memory_warned = False
+        self.pinner = None                                # the background pinner of a mapped host tier, if any
         self.prefill_counts: dict[tuple[int, int], int] = {}
         self.uses = UseCounts()
         self.per_layer: dict[int, UseCounts] = {}
@@ -356,6 +357,7 @@ class OffloadRuntime:
             self.uses, self.per_layer, self.cache.counts, self.predictor_counts,
             prefetches_wasted=self.slots.wasted_prefetches, evictions=self.slots.evictions,
             slots=self.slots.n_slots, resident_experts=len(self.slots), host_tier=self.host.mode,
+            host_pinned_bytes=self.host.pinned_bytes,
             miss_policy=self.options.miss_policy, **self._worker_stats()).as_dict()
 
     def _worker_stats(self) -> dict:

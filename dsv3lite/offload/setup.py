@@ -78,15 +78,20 @@ def build_offload(root: Path, args: ModelArgs, experts: str | None, gpu_mem, ctx
     layers = list(args.moe_layer_ids) + ([args.mtp_layer_id] if with_mtp else [])
     total = len(layers) * args.n_routed_experts * source.layout.blob_bytes
     source = source.cached(log)                   # an HF checkpoint's experts: its expert cache on disk
-    blobs, mode = _host_blobs(source, layers, device, total, options.cpu_mem_bytes, log)
+    blobs, mode, background = _host_blobs(source, layers, device, total, options.cpu_mem_bytes, log)
     runtime = OffloadRuntime(HostStore(blobs, source.layout.blob_bytes, mode), source.fmt, source.layout,
                              plan.n_slots, device, dtype, options=options, plan=plan, log=log)
     log(f"cost model: {runtime.cost.describe()}; misses: {options.miss_policy}")
+    if background:
+        from .host_memory import BackgroundPinner
+
+        runtime.pinner = BackgroundPinner(runtime.host, layers, log=log)
     return runtime
 
 
 def _host_blobs(source: ExpertSource, layers, device, total, cap, log):
-    """Per-layer [E, blob_bytes] host tensors: pinned on CUDA when RAM (and --cpu-mem) allow."""
+    """(per-layer [E, blob_bytes] host tensors, mode, pin in the background): pinned on CUDA when RAM (and
+    --cpu-mem) allow; a mapped source is served from its mapping at once and pinned in the background."""
     import psutil
     from tqdm import tqdm
 
@@ -96,6 +101,12 @@ def _host_blobs(source: ExpertSource, layers, device, total, cap, log):
     pin = device.type == "cuda" and total <= available and (cap is None or total <= cap)
     if not source.mapped:
         log(f"packing routed experts as {source.fmt.name} blobs in host memory ({format_bytes(total)})")
+    background = pin and source.mapped
+    if background:
+        blobs = {layer: source.layer_blobs(layer) for layer in layers}
+        log(f"host tier: {format_bytes(total)} of expert blobs, mmap; pinning them in the background, layer by "
+            f"layer (the stats say how much is pinned)")
+        return blobs, "mmap", True
     blobs = {}
     for layer in tqdm(layers, desc="host tier", unit="layer", disable=None, leave=False):
         t = source.layer_blobs(layer)
@@ -115,4 +126,4 @@ def _host_blobs(source: ExpertSource, layers, device, total, cap, log):
     else:
         mode = "memory"
     log(f"host tier: {format_bytes(total)} of expert blobs, {mode}")
-    return blobs, mode
+    return blobs, mode, False

@@ -53,7 +53,8 @@ class ExpertCacheStats:
     evictions: int = 0
     slots: int = 0
     resident_experts: int = 0
-    host_tier: str = ""           # "pinned" | "memory" | "mmap"
+    host_tier: str = ""           # "pinned" | "memory" | "mmap" | "mmap, N of M layers pinned"
+    host_pinned_bytes: int = 0    # expert blobs in pinned host memory
     miss_policy: str = ""
     cpu_jobs: int = 0             # layers whose CPU-assigned misses ran on the worker thread
     cpu_ms: float = 0.0           # worker time in the CPU kernel
