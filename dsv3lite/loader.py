@@ -77,10 +77,13 @@ class Loader:
         filled: set[str] = set()
         experts_seen: dict[str, set[int]] = {}
         ignored = []
+        by_shard: dict = {}
+        for n, f in index.files.items():              # one pass (V3 has 163 shards and ~90k tensors)
+            by_shard.setdefault(f, []).append(n)
         with TensorReader(index) as reader:
             for shard in index.shards():
-                names = [n for n, f in index.files.items() if f == shard]
-                self._load_shard(model, args, reader, shard, names, expected, filled, experts_seen, ignored)
+                self._load_shard(model, args, reader, shard, by_shard.get(shard, []), expected, filled,
+                                 experts_seen, ignored)
         self._finish(model, args, expected, filled, experts_seen)
         model.eval()
         return model
