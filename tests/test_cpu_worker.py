@@ -75,7 +75,10 @@ def test_misses_on_the_worker_give_the_resident_bits(monkeypatch, fmt_name, fuse
     rt = runtime(fmt, layout, host, "cpu")
     if fused:      # the fused kernel's path with its twin (the interpreter's kernel is tested in test_kernels_moe)
         monkeypatch.setattr(offload_runtime, "fused_moe", fused_moe_ref)
-        rt.fused = True
+        monkeypatch.setattr(offload_runtime.dispatch, "use_kernels", lambda device: True)
+        rt.close()
+        rt = runtime(fmt, layout, host, "cpu")
+        assert rt.fused and rt.worker is not None
     resident = {l: BlobExperts(host.layers[l], fmt, layout) for l in LAYERS}
     rng = random.Random(2)
     try:
@@ -88,7 +91,10 @@ def test_misses_on_the_worker_give_the_resident_bits(monkeypatch, fmt_name, fuse
             assert torch.equal(rt.forward(layer, x, ids, w), resident[layer](x, ids, w)), step
         s = rt.stats()
         assert s["cpu_experts"] == s["demand_misses"] > 0           # with 4 slots, misses every layer
-        assert s["cpu_jobs"] > 0 and s["cpu_ms"] > 0 and s["cpu_wait_ms"] >= 0
+        if fused:                                                   # the device path: misses on the worker
+            assert s["cpu_jobs"] > 0 and s["cpu_ms"] > 0 and s["cpu_wait_ms"] >= 0
+        else:                                                       # the CPU tier: one kernel call per layer
+            assert rt.one_call and rt.worker is None and s["cpu_jobs"] == 0
     finally:
         rt.close()
 
@@ -99,8 +105,9 @@ def test_fetch_policy_starts_no_worker():
     assert rt.worker is None and "cpu_jobs" in rt.stats() and rt.stats()["cpu_jobs"] == 0
 
 
-def test_cost_model_is_timed_at_one_and_four_tokens_with_the_worker_threads():
+def test_cost_model_is_timed_at_one_and_four_tokens_with_the_worker_threads(monkeypatch):
     fmt, layout, host = host_store("int4")
+    monkeypatch.setattr(offload_runtime.dispatch, "use_kernels", lambda device: True)   # the device path's worker
     rt = runtime(fmt, layout, host, "auto")
     try:
         c = rt.cost

@@ -33,8 +33,7 @@ def test_a_failed_registration_is_one_clear_line():
 
 def test_background_pinning_swaps_layers_while_serving_and_tokens_do_not_change(tmp_path, monkeypatch):
     """The pinner copies each mapped layer into new memory (here plain memory standing in for pinned) and swaps it
-    in while the engine decodes; outputs stay those of the mapped tier, the CPU worker follows the new addresses,
-    and the stats count the pinned bytes."""
+    in while the engine decodes; outputs stay those of the mapped tier and the stats count the pinned bytes."""
     import dsv3lite
     from dsv3lite import expert_cache_dir
     from dsv3lite.offload.host_memory import BackgroundPinner
@@ -70,8 +69,7 @@ def test_background_pinning_swaps_layers_while_serving_and_tokens_do_not_change(
     assert all(rt.host.layers[l].data_ptr() != before[l] for l in layers)      # every layer swapped
     s = rt.stats()
     assert s["host_tier"] == "pinned" and s["host_pinned_bytes"] == sum(rt.host.layers[l].numel() for l in layers)
-    # misses after the swaps ran on the worker from the new memory (its addresses follow the layer's tensor)
-    assert s["cpu_jobs"] > 0 and any(rt.worker.ptrs[l][0] == rt.host.layers[l].data_ptr() for l in rt.worker.ptrs)
+    assert s["cpu_experts"] > 0                       # misses computed from the host blobs, swapped ones included
 
 
 def test_background_pinning_stops_at_a_failure_with_one_line():

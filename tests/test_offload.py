@@ -46,7 +46,6 @@ def test_offloaded_generation_is_token_identical_to_resident(v3_dir, resident_to
     assert s["hit_rate"] == pytest.approx((s["hits"] + s["prefetch_hits"]) / uses)
     if miss == "cpu":
         assert s["cpu_experts"] == s["demand_misses"]
-        assert s["cpu_jobs"] > 0                                  # decode misses ran on the worker thread
     if miss == "fetch":
         assert s["cpu_experts"] == 0
     assert s["h2d_bytes"] % llm.offload.layout.blob_bytes == 0 and s["h2d_bytes"] > 0

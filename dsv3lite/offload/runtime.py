@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from ..kernels import dispatch
+from ..kernels import cpu_experts, dispatch
 from ..kernels.fused_moe import fused_moe
 from ..limits import BULK_TOKENS
 from ..model import combine_experts
@@ -116,11 +116,15 @@ class OffloadRuntime:
         self.uses = UseCounts()
         self.per_layer: dict[int, UseCounts] = {}
         self.predictor_counts: dict[int, list[int]] = {}  # distance -> [true positives, predicted, actual]
-        # CPU-assigned misses of decode steps run on a worker thread when the compiled kernel serves the layout
-        self.worker = CpuWorker(host, layout, options.cpu_threads) \
-            if options.miss_policy != "fetch" and CpuWorker.usable(layout) else None
-        self.cost = CostModel.measure(self.cache, fmt, layout, next(iter(host.layers)), dtype, self.worker)
         self.fused = dispatch.use_kernels(device) and fmt.fused_kernel   # decode through the fused MoE kernel
+        # CPU tier with the compiled kernel: a decode step's experts in one kernel call (slots and CPU-assigned
+        # misses alike), as the resident provider computes them
+        self.one_call = device.type == "cpu" and not self.fused and cpu_experts.available(layout)
+        self.ptr_table = torch.zeros(max(t.shape[0] for t in host.layers.values()), dtype=torch.int64)
+        # on a device, CPU-assigned misses of decode steps run on a worker thread (the compiled kernel's layouts)
+        self.worker = CpuWorker(host, layout, options.cpu_threads) \
+            if options.miss_policy != "fetch" and not self.one_call and CpuWorker.usable(layout) else None
+        self.cost = CostModel.measure(self.cache, fmt, layout, next(iter(host.layers)), dtype, self.worker)
 
     # --- wiring --------------------------------------------------------------------------------
     def provider(self, layer_id: int) -> OffloadedExperts:
@@ -201,7 +205,9 @@ class OffloadRuntime:
         self._prefetch()                             # behind this layer's demand copies, not ahead of them
         on_cpu = {e for e, slot in place.items() if slot is None}
         job = self.worker.submit(layer_id, x, rows, on_cpu) if on_cpu and self.worker is not None else None
-        if self.fused:
+        if self.one_call:
+            out = self._one_call(layer_id, x, ids, weights, place)
+        elif self.fused:
             out = self._fused(layer_id, x, ids, weights, rows, place, job)
         else:
             def compute(e, xs):
@@ -240,6 +246,17 @@ class OffloadRuntime:
             return y.to(device=xs.device, dtype=xs.dtype)
         self.cache.wait(slot)
         return self.fmt.expert_forward(self.cache.slot_view(slot), xs, self.layout).to(xs.dtype)
+
+    def _one_call(self, layer_id, x, ids, weights, place) -> torch.Tensor:
+        """CPU tier: every selected expert in one call of the CPU kernel, from its slot or (a CPU-assigned miss)
+        its host blob: the call, order and bits of the resident provider (experts.BlobExperts)."""
+        pool, host = self.cache.pool, self.host.layers[layer_id]
+        base, stride = pool.data_ptr(), pool.stride(0)
+        ptrs = self.ptr_table
+        ptrs.zero_()
+        for e, slot in place.items():
+            ptrs[e] = base + slot * stride if slot is not None else host[e].data_ptr()
+        return cpu_experts.cpu_experts_forward(x, ids, weights, pool, self.layout, ptrs=ptrs)
 
     def _fused(self, layer_id, x, ids, weights, rows, place, job: CpuJob | None) -> torch.Tensor:
         """Decode through the fused MoE kernel: resident experts read from their slots; CPU-computed misses
