@@ -172,7 +172,10 @@ class Engine:
         if isinstance(prompt, str):
             ids = self._text_tokenizer("a text prompt").encode(prompt, add_bos=True)
         else:
-            ids = [int(t) for t in prompt]
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise UserError("a prompt is a string or a flat list of token ids (one sequence)") from None
         return self._generate(ids, params)
 
     def chat(self, messages: list[dict], max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,

@@ -112,6 +112,12 @@ def test_out_of_vocabulary_prompt_ids_are_user_errors(llm):
         list(llm.generate([1, 2, 10**6]))
 
 
+@pytest.mark.parametrize("prompt", [[[1, 2, 3]], [1, "x"], [1, None]])
+def test_a_prompt_that_is_not_a_flat_id_list_is_a_user_error(llm, prompt):
+    with pytest.raises(UserError, match="flat list of token ids"):
+        llm.generate(prompt)
+
+
 def test_conversation_reuses_latent_cache_and_matches_fresh_run(llm, v3_dir):
     llm.stop_ids = set()
     llm.reset()
