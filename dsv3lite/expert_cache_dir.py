@@ -67,8 +67,7 @@ def entries(location: Path | None = None) -> list[Entry]:
             continue
         if m.dense_dtype != EXPERTS_ONLY:
             continue
-        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
-        out.append(Entry(d, m.format, size, m.source_hash))
+        out.append(Entry(d, m.format, _size(d), m.source_hash))
     return out
 
 
@@ -85,7 +84,7 @@ def clear(location: Path | None = None) -> tuple[int, int]:
     for d in sorted(location.iterdir()):
         if d.is_dir() and not d.is_symlink() and all(
                 f.is_file() and f.name.removesuffix(".tmp") in ours for f in d.iterdir()):
-            freed += sum(f.stat().st_size for f in d.iterdir())
+            freed += _size(d)
             shutil.rmtree(d)
             removed += 1
         elif d.suffix == ".lock" and d.is_file():
@@ -158,4 +157,5 @@ def ensure(source, log, progress: bool = True):
 
 
 def _size(d: Path) -> int:
+    """Bytes of the files directly in `d`."""
     return sum(f.stat().st_size for f in d.iterdir() if f.is_file())

@@ -22,23 +22,22 @@ _MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_
             tie_word_embeddings=False, hidden_act="silu")
 _YARN_V3 = dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                 mscale=1.0, mscale_all_dim=1.0)
+_V3 = dict(
+    _MLA, model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256,
+    n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, num_attention_heads=128,
+    num_key_value_heads=128, q_lora_rank=1536, routed_scaling_factor=2.5, scoring_func="sigmoid",
+    topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=1, rope_theta=10000,
+    rope_scaling=_YARN_V3, max_position_embeddings=163840,
+    quantization_config=dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128]))
 MODELS = {
-    "DeepSeek-V3 / R1 (671B)": dict(
-        _MLA, model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-        moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256,
-        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, num_attention_heads=128,
-        num_key_value_heads=128, q_lora_rank=1536, routed_scaling_factor=2.5, scoring_func="sigmoid",
-        topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=1, rope_theta=10000,
-        rope_scaling=_YARN_V3, max_position_embeddings=163840,
-        quantization_config=dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128])),
+    "DeepSeek-V3 / R1 (671B)": _V3,
+    # Kimi-K2: DeepSeek-V3's architecture with more experts in one group, half the heads, no MTP, another RoPE
     "Kimi-K2 (1T)": dict(
-        _MLA, model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
-        moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=1, n_routed_experts=384,
-        n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1, num_attention_heads=64,
-        num_key_value_heads=64, q_lora_rank=1536, routed_scaling_factor=2.827, scoring_func="sigmoid",
-        topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=0, rope_theta=50000,
-        rope_scaling=dict(_YARN_V3, factor=32, beta_fast=1), max_position_embeddings=131072,
-        quantization_config=dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128])),
+        _V3, model_type="kimi_k2", vocab_size=163840, first_k_dense_replace=1, n_routed_experts=384, n_group=1,
+        topk_group=1, num_attention_heads=64, num_key_value_heads=64, routed_scaling_factor=2.827,
+        num_nextn_predict_layers=0, rope_theta=50000, rope_scaling=dict(_YARN_V3, factor=32, beta_fast=1),
+        max_position_embeddings=131072),
     "Moonlight-16B-A3B": dict(
         _MLA, model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, intermediate_size=11264,
         moe_intermediate_size=1408, num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64,
