@@ -48,11 +48,39 @@ def resident_experts(root: Path, args: ModelArgs, experts: str | None, device: t
     return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout)
 
 
+def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.device, budget: int, ctx_size: int,
+                 experts: str | None, mtp: bool, dtype: torch.dtype, log) -> str | None:
+    """The --dense of a run: `dense` when given; else, for an FP8 checkpoint on CUDA whose plan with the non-expert
+    weights in `dtype` does not fit `budget` (too small for the resident set and the minimum of expert slots) but
+    does with them kept in fp8, "fp8", said in one log line; else None."""
+    if dense is not None or device.type != "cuda" or tuple(args.fp8_block_size or ()) != (128, 128):
+        return dense
+    from .offload.setup import plan_for
+
+    def plan(d):
+        try:
+            p = plan_for(root, args, budget, ctx_size, experts, mtp, dtype, d)[0]
+        except UserError:
+            return None
+        return p if p.n_slots > 0 else None
+
+    if plan(None) is not None:
+        return None
+    packed = plan("fp8")
+    if packed is None:
+        return None                          # neither fits: the offload setup says by how much, as without --dense
+    log(f"--dense fp8: the non-expert weights in {str(dtype).replace('torch.', '')} do not fit --gpu-mem "
+        f"{format_bytes(budget)} with expert slots; keeping the FP8 checkpoint's own fp8 weights on the GPU "
+        f"({packed.n_slots} expert slots; --dense int4 or a larger --gpu-mem to choose otherwise)")
+    return "fp8"
+
+
 def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | None = None, mtp: bool = True,
                  experts=None, cpu_mem=None, progress: bool = True, log=None, dense=None, **options):
     """See dsv3lite.load. options: the OffloadOptions fields (lookahead, miss_policy, cache_policy) and the MTP
-    settings num_draft_tokens, mtp_adaptive. dense: pack the non-expert weights for the CPU kernels (dense.py)."""
-    from .dense import check_dense, pack_dense
+    settings num_draft_tokens, mtp_adaptive. dense: the non-expert weights packed to this dtype while loading
+    (dense.py; on CUDA an FP8 checkpoint that needs it gets fp8, `choose_dense`)."""
+    from .dense import PackedLinear, check_dense
     from .generate import Engine
     from .loader import Loader
     from .offload.options import OffloadOptions
@@ -86,13 +114,15 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     t0 = time.perf_counter()
     offload = None
     if gpu_mem is not None or dev.type == "cuda":
-        from .offload.setup import build_offload
+        from .offload.setup import build_offload, resolve_budget
 
+        if dev.type == "cuda" and dense is None:
+            dense = choose_dense(root, args, dense, dev, resolve_budget(gpu_mem, dev), ctx_size, experts, mtp, dt, log)
         offload = build_offload(root, args, experts, gpu_mem, ctx_size, dev, dt, mtp, offload_options, log=log,
                                 dense=dense)
     provider = offload.provider if offload is not None else resident_experts(root, args, experts, dev, log)
-    model = Loader(root, dev, dt, progress=progress, log=log).load(args, expert_provider=provider, mtp=mtp)
-    packed = pack_dense(model, dense, log) if dense is not None else 0
+    model = Loader(root, dev, dt, progress=progress, log=log, dense=dense).load(args, expert_provider=provider, mtp=mtp)
+    packed = sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
     if offload is not None:
         offload.attach(model)
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + packed

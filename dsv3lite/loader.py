@@ -2,21 +2,26 @@
 multimodal checkpoint (Kimi-K2.5) gives its language model.
 
 The model is built on the meta device and filled tensor by tensor, so nothing is allocated twice. Names,
-shards and tensor reads come from `hf_checkpoint` (the one table of checkpoint names lives there).
+shards and tensor reads come from `hf_checkpoint` (the one table of checkpoint names lives there). With
+`dense=` (`--dense`) each non-expert Linear weight is packed as it is read (dense.PackedLinear.from_weight): the
+float copy of all of them never exists at once, and an FP8 checkpoint's weights with dense="fp8" keep their bytes.
 """
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .config import ModelArgs
+from .dense import PackedLinear, check_dense, packable
 from .errors import UserError
 from .hf_checkpoint import FP32_MODULE_SUFFIXES, CheckpointIndex, TensorReader, checkpoint_name, map_name, mtp_status
 from .model import Transformer
 from .quant.fp8 import fp8_block_dequant
+from .utils import format_bytes
 
 def dequant_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """bf16(fp32(w) * s[i // 128, j // 128]): one fp32 multiply, one bf16 rounding; partial edge blocks allowed."""
@@ -51,15 +56,19 @@ class Loader:
     """Fills a meta-device Transformer from an HF safetensors directory."""
 
     def __init__(self, root: str | Path, device: torch.device, dtype: torch.dtype, progress: bool = True,
-                 log=None):
+                 log=None, dense: str | None = None):
+        """dense: pack the non-expert Linear weights to this --dense dtype while loading (dense.py)."""
         self.root = Path(root)
         self.device, self.dtype, self.progress = device, dtype, progress
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.dense = dense
+        self.packed = dict(count=0, kept=0, before=0, after=0, seconds=0.0)   # what packing did (the log line)
 
     def load(self, args: ModelArgs | None = None, expert_provider=None, mtp: bool = True) -> Transformer:
         """expert_provider(layer_id) -> module: when given, routed experts come from it (a quantized store,
         the offloading runtime) and the checkpoint's per-expert tensors are not read. mtp=False leaves the MTP
         layer out (none of its tensors is read)."""
+        check_dense(self.dense, torch.device(self.device))
         args = args or ModelArgs.from_dir(self.root)
         index = CheckpointIndex.open(self.root)
         with_mtp, notice = mtp_status(index, args) if mtp else (False, None)
@@ -85,6 +94,12 @@ class Loader:
                 self._load_shard(model, args, reader, shard, by_shard.get(shard, []), expected, filled,
                                  experts_seen, ignored)
         self._finish(model, args, expected, filled, experts_seen)
+        if self.dense is not None:
+            p = self.packed
+            kept = f", {p['kept']} of them the checkpoint's fp8 bytes as they are" if p["kept"] else ""
+            self.log(f"packed {p['count']} dense weight matrices to {self.dense} while loading{kept} "
+                     f"({p['seconds']:.1f}s): {format_bytes(p['before'])} in {str(self.dtype).replace('torch.', '')} "
+                     f"-> {format_bytes(p['after'])}")
         model.eval()
         return model
 
@@ -102,6 +117,9 @@ class Loader:
                 ignored.append(name)
                 continue
             weight, scale = reader.weight(name)
+            if self.dense is not None and target.expert is None and packable(model, target.name):
+                self._place_packed(model, args, name, shard, target, weight, scale, expected, filled)
+                continue
             if scale is not None:     # on a GPU the FP8 bytes cross and are dequantized there
                 on = self.device if self.device.type == "cuda" else weight.device
                 tensor = dequant_fp8(weight.to(on), scale.to(on))
@@ -109,7 +127,8 @@ class Loader:
                 tensor = weight
             self._place(model, args, name, shard, target, tensor, expected, filled, experts_seen)
 
-    def _place(self, model, args, name, shard, target, tensor, expected, filled, experts_seen):
+    @staticmethod
+    def _checked_shape(args, name, shard, target, tensor, expected) -> tuple[int, ...]:
         full_shape = expected.get(target.name)
         if full_shape is None:
             raise UserError(f"checkpoint tensor {name} ({shard.name}) has no place in a {args.model_type} model "
@@ -118,6 +137,29 @@ class Loader:
         if tuple(tensor.shape) != tuple(shape):
             raise UserError(f"tensor {name} in {shard.name} has shape {tuple(tensor.shape)}, "
                             f"expected {tuple(shape)} from config.json")
+        return full_shape
+
+    def _pack_into(self, model, module_name: str, weight, scale, dtype) -> None:
+        """Replace the Linear `module_name` by a PackedLinear of `weight` (an FP8 one with its scale_inv)."""
+        t0 = time.perf_counter()
+        packed = PackedLinear.from_weight(weight, self.dense, scale, value_dtype=dtype, device=self.device)
+        parent, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, packed)
+        p = self.packed
+        p["count"] += 1
+        p["kept"] += int(scale is not None and self.dense == "fp8")
+        p["before"] += weight.numel() * torch.empty((), dtype=dtype).element_size()
+        p["after"] += packed.nbytes
+        p["seconds"] += time.perf_counter() - t0
+
+    def _place_packed(self, model, args, name, shard, target, weight, scale, expected, filled):
+        self._checked_shape(args, name, shard, target, weight, expected)
+        dtype = torch.float32 if target.name.endswith(FP32_MODULE_SUFFIXES) else self.dtype
+        self._pack_into(model, target.name.rpartition(".")[0], weight, scale, dtype)
+        filled.add(target.name)
+
+    def _place(self, model, args, name, shard, target, tensor, expected, filled, experts_seen):
+        full_shape = self._checked_shape(args, name, shard, target, tensor, expected)
         dtype = torch.float32 if target.name.endswith(FP32_MODULE_SUFFIXES) else self.dtype
         if target.expert is None:
             set_module_tensor(model, target.name, tensor.to(device=self.device, dtype=dtype))
@@ -136,7 +178,10 @@ class Loader:
 
     def _finish(self, model, args, expected, filled, experts_seen):
         if "head.weight" not in filled and args.tie_word_embeddings and "embed.weight" in filled:
-            model.head.weight = model.embed.weight
+            if self.dense is not None and packable(model, "head.weight"):
+                self._pack_into(model, "head", model.embed.weight, None, self.dtype)
+            else:
+                model.head.weight = model.embed.weight
             filled.add("head.weight")
         for name, shape in expected.items():
             if name in experts_seen:
@@ -155,5 +200,5 @@ class Loader:
 
 
 def load_model(root: str | Path, device: torch.device, dtype: torch.dtype, progress: bool = True,
-               log=None) -> Transformer:
-    return Loader(root, device, dtype, progress, log).load()
+               log=None, dense: str | None = None) -> Transformer:
+    return Loader(root, device, dtype, progress, log, dense=dense).load()

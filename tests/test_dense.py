@@ -1,6 +1,6 @@
 """Packed non-expert weights on the CPU (`--dense`, dsv3lite/dense.py and kernels/cpu_linear.py): the linear kernel
 against its twin per dtype, the packing's reconstruction error, the demo with packed dense weights, the checks on
-the option, and the planner's byte counts."""
+the option, and the planner's byte counts. The GPU path and packing while loading: tests/test_dense_cuda.py."""
 from __future__ import annotations
 
 import json
@@ -63,6 +63,7 @@ def test_packed_linear_keeps_leading_dims():
 def test_check_dense():
     check_dense(None, torch.device("cuda"))
     check_dense("int4", torch.device("cpu"))
+    check_dense("fp8", torch.device("cuda"))          # the GPU path: tests/test_dense_cuda.py
     with pytest.raises(UserError, match="unknown dense dtype"):
         check_dense("int3", torch.device("cpu"))
     with pytest.raises(UserError, match="--device cpu"):
