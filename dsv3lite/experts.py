@@ -99,8 +99,10 @@ def expert_source(root: Path, args: ModelArgs, experts: str | None, blobs_requir
 
 
 class BlobExperts(nn.Module):
-    def __init__(self, blobs: torch.Tensor, fmt: ExpertFormat, layout: BlobLayout):
+    def __init__(self, blobs: torch.Tensor, fmt: ExpertFormat, layout: BlobLayout, resident_cap=None):
+        """resident_cap: a host_memory.ResidentCap told of every blob the CPU kernel reads (--cpu-mem on the CPU)."""
         super().__init__()
+        self.resident_cap = resident_cap
         assert blobs.dtype == torch.uint8 and blobs.dim() == 2 and blobs.shape[1] == layout.blob_bytes
         self.fmt, self.layout = fmt, layout
         self.register_buffer("blobs", blobs, persistent=False)
@@ -123,4 +125,6 @@ class BlobExperts(nn.Module):
         base = self.blobs.data_ptr()
         if self._cpu_ptrs is None or self._cpu_ptrs[0] != base:
             self._cpu_ptrs = (base, cpu_experts.blob_pointers(self.blobs, self.blobs.shape[0], self.layout))
+        if self.resident_cap is not None:
+            self.resident_cap.touch(self._cpu_ptrs[1][ids.view(-1).unique()].tolist())
         return cpu_experts.cpu_experts_forward(x, ids, weights, self.blobs, self.layout, ptrs=self._cpu_ptrs[1])

@@ -91,3 +91,194 @@ def test_background_pinning_stops_at_a_failure_with_one_line():
     assert host.pinned_layers == {1} and host.mode == "mmap, 1 of 2 layers pinned"
     assert len(lines) == 1 and "background pinning stopped after 1 layer:" in lines[0]
     assert torch.equal(host.layers[1], torch.zeros(2, 64, dtype=torch.uint8))
+
+
+# --- --cpu-mem below the tier: the most used experts pinned (CUDA), resident pages bounded (CPU) -----------------
+
+def _mapped_store(n_layers=2, n_experts=4, blob=64):
+    from dsv3lite.offload.cache import HostStore
+
+    layers = {l: torch.arange(n_experts * blob, dtype=torch.int64).add(l).remainder(251).to(torch.uint8)
+              .view(n_experts, blob) for l in range(1, n_layers + 1)}
+    return HostStore(layers, blob, "mmap")
+
+
+def test_hot_experts_pin_the_most_used_up_to_the_cap_and_reuse_rows_only_after_the_fence():
+    from dsv3lite.offload.host_memory import HotExperts
+
+    host = _mapped_store()
+    events, shapes = [], []
+
+    def fence():
+        events.append("fence recorded")
+        return lambda: events.append("fence waited")
+
+    def pin(shape):
+        shapes.append(shape)
+        return torch.empty(shape, dtype=torch.uint8)
+
+    hot = HotExperts(host, capacity=3, fence=fence, pin=pin, chunk_rows=2)
+    hot.update({(1, 0): 5, (1, 1): 4, (2, 3): 3, (2, 0): 1})
+    hot.join()
+    assert set(host.hot) == {(1, 0), (1, 1), (2, 3)} and events == []      # nothing freed: no fence needed
+    assert sum(s[0] for s in shapes) == 3                                  # rows allocated up to the cap only
+    for (l, e), row in host.hot.items():
+        assert torch.equal(host.blob((l, e)), host.layers[l][e]) and host.blob((l, e)).data_ptr() == row.data_ptr()
+    assert host.pinned_bytes == 3 * 64 and host.mode == "mmap, 3 most used experts pinned"
+    assert host.addresses(2)[3] == host.hot[(2, 3)].data_ptr() and host.addresses(2)[0] == host.layers[2][0].data_ptr()
+
+    row_of_11 = host.hot[(1, 1)].data_ptr()
+    hot.update({(2, 1): 20, (2, 2): 20})     # scores decay by half per prompt: (1, 0) 2.5 stays, the rest change
+    assert (1, 1) not in host.hot and (2, 3) not in host.hot                # served from the map at once
+    assert host.blob((1, 1)).data_ptr() == host.layers[1][1].data_ptr()
+    hot.join()
+    assert set(host.hot) == {(2, 1), (2, 2), (1, 0)}
+    assert events == ["fence recorded", "fence waited"] and sum(s[0] for s in shapes) == 3   # freed rows reused
+    assert row_of_11 in {r.data_ptr() for r in host.hot.values()}
+    assert all(torch.equal(host.hot[k], host.layers[k[0]][k[1]]) for k in host.hot)
+    hot.close()
+
+
+def test_hot_experts_stop_at_a_pin_failure_with_one_line_and_keep_serving():
+    from dsv3lite.offload.host_memory import HotExperts
+
+    host = _mapped_store()
+    lines = []
+
+    def pin(shape):
+        raise UserError("cannot pin 0.00 GiB of host memory (CUDA error 2): lower --cpu-mem or free host RAM")
+
+    hot = HotExperts(host, capacity=2, pin=pin, log=lines.append)
+    hot.update({(1, 0): 1})
+    hot.join()
+    assert host.hot == {} and len(lines) == 1 and "pinning the most used experts stopped" in lines[0]
+    hot.update({(1, 1): 1})                 # no more attempts, no hang
+    hot.join()
+    assert torch.equal(host.blob((1, 0)), host.layers[1][0])
+
+
+def test_offloaded_tokens_do_not_change_while_the_most_used_experts_are_pinned(tmp_path, monkeypatch):
+    import dsv3lite
+    from dsv3lite import expert_cache_dir
+    from dsv3lite.offload.host_memory import HotExperts
+    from dsv3lite.testing import offload_budget, write_checkpoint
+
+    monkeypatch.setenv(expert_cache_dir.ENV, str(tmp_path / "cache"))
+    path = write_checkpoint(tmp_path / "m", "v3")
+    kw = dict(device="cpu", experts="int4", ctx_size=128, mtp=False, progress=False, log=lambda m: None)
+    resident = dsv3lite.load(path, **kw)
+    resident.stop_ids = set()
+    prompts = ["hot experts", "a second prompt, longer than the first one"]
+    expected = [[c.token_id for c in resident.generate(p, max_tokens=8)] for p in prompts]
+    llm = dsv3lite.load(path, gpu_mem=offload_budget(path, 8, "int4", ctx=128, mtp=False), miss_policy="cpu", **kw)
+    llm.stop_ids = set()
+    rt = llm.offload
+    rt.hot = HotExperts(rt.host, capacity=5, pin=lambda shape: torch.empty(shape, dtype=torch.uint8))
+    got = []
+    for p in prompts:
+        got.append([c.token_id for c in llm.generate(p, max_tokens=8)])
+        rt.hot.join()
+        assert len(rt.host.hot) == 5
+    assert got == expected
+    s = rt.stats()
+    assert s["host_pinned_bytes"] == 5 * rt.host.blob_bytes and s["host_tier"] == "mmap, 5 most used experts pinned"
+    assert s["cpu_experts"] > 0
+
+
+def _rss_file() -> int:
+    """The process's resident pages of mapped files."""
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile")
+
+
+def test_resident_cap_bounds_the_mapped_blobs_resident_pages(tmp_path):
+    """Reading 32 blobs of 2 MiB from a private file mapping: without a cap the process keeps all 64 MiB of mapped
+    pages resident; with a 12 MiB cap the least recently used are dropped and the growth stays near the cap."""
+    import numpy as np
+
+    from dsv3lite.offload.host_memory import ResidentCap
+
+    blob, n = 2 << 20, 32
+    f = tmp_path / "blobs.bin"
+    f.write_bytes(np.random.default_rng(0).integers(0, 255, n * blob, dtype=np.uint8).tobytes())
+
+    def read_all(cap):
+        blobs = torch.from_numpy(np.memmap(f, dtype=np.uint8, mode="c", shape=(n, blob)))
+        before = _rss_file()
+        sums = []
+        for e in range(n):
+            if cap is not None:
+                cap.touch((blobs[e].data_ptr(),))
+            sums.append(int(blobs[e][::512].sum()))       # every page read
+        grown = _rss_file() - before
+        return grown, sums
+
+    free_growth, free_sums = read_all(None)
+    cap = ResidentCap(12 << 20, blob)
+    capped_growth, capped_sums = read_all(cap)
+    assert capped_sums == free_sums                        # dropped pages read back the same bytes
+    assert free_growth > 48 << 20
+    assert capped_growth < (12 << 20) + (4 << 20) and cap.dropped == n - 6 and cap.resident <= 12 << 20
+
+
+def test_host_tier_follows_cpu_mem_and_host_ram(monkeypatch):
+    """What the tier does per device, --cpu-mem and RAM (decided without a GPU: nothing here touches CUDA)."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from dsv3lite.offload import setup
+
+    blob, layers, n = 1 << 20, [1, 2, 3], 8
+    total = len(layers) * n * blob
+
+    def source(mapped):
+        return SimpleNamespace(mapped=mapped, layout=SimpleNamespace(blob_bytes=blob), fmt=SimpleNamespace(name="int4"),
+                               layer_blobs=lambda l: torch.zeros(n, blob, dtype=torch.uint8))
+
+    ram = SimpleNamespace(available=setup.HOST_RESERVE_BYTES + 10 * total)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: ram)
+    cuda, cpu, log = torch.device("cuda"), torch.device("cpu"), []
+    t = setup.host_tier(source(True), layers, cuda, total, None, log.append)
+    assert t.pin_layers and t.mode == "mmap" and not t.hot_capacity
+    t = setup.host_tier(source(True), layers, cuda, total, 5 * blob + 1, log.append)
+    assert not t.pin_layers and t.hot_capacity == 5 and "the 5 most used experts (5.00 MiB) pinned" in log[-1]
+    ram.available = setup.HOST_RESERVE_BYTES + 3 * blob                  # RAM, not the cap, is what limits
+    t = setup.host_tier(source(True), layers, cuda, total, 5 * blob, log.append)
+    assert t.hot_capacity == 3 and "host RAM allows 3.00 MiB" in log[-1]
+    t = setup.host_tier(source(True), layers, cuda, total, None, log.append)
+    assert not t.pin_layers and not t.hot_capacity and "--cpu-mem SIZE pins the most used" in log[-2]
+    t = setup.host_tier(source(True), layers, cpu, total, 4 * blob, log.append)
+    assert t.resident_cap is not None and t.resident_cap.cap == 4 * blob and "bounds their resident pages" in log[-1]
+    assert setup.host_tier(source(True), layers, cpu, total, None, log.append).resident_cap is None
+    with pytest.raises(UserError, match=r"--cpu-mem 4.00 MiB is below the 24.00 MiB of int4 expert blobs this run "
+                                        r"packs in memory: let the expert cache serve them"):
+        setup.host_tier(source(False), layers, cpu, total, 4 * blob, log.append)
+    t = setup.host_tier(source(False), layers, cpu, total, total, log.append)
+    assert t.mode == "memory" and len(t.blobs) == 3
+
+
+def test_cpu_mem_on_the_cpu_bounds_the_mapped_experts_and_tokens_do_not_change(tmp_path, monkeypatch):
+    import dsv3lite
+    from dsv3lite import expert_cache_dir
+    from dsv3lite.config import ModelArgs
+    from dsv3lite.experts import expert_source
+    from dsv3lite.testing import offload_budget, write_checkpoint
+
+    monkeypatch.setenv(expert_cache_dir.ENV, str(tmp_path / "cache"))
+    path = write_checkpoint(tmp_path / "m", "v3")
+    kw = dict(device="cpu", experts="int4", ctx_size=128, mtp=False, progress=False, log=lambda m: None)
+    resident = dsv3lite.load(path, **kw)
+    resident.stop_ids = set()
+    expected = [c.token_id for c in resident.generate("bounded pages", max_tokens=10)]
+    blob = expert_source(path, ModelArgs.from_dir(path), "int4", True).layout.blob_bytes
+    lines = []
+    llm = dsv3lite.load(path, gpu_mem=offload_budget(path, 8, "int4", ctx=128, mtp=False), miss_policy="cpu",
+                        cpu_mem=6 * blob, **{**kw, "log": lines.append})
+    llm.stop_ids = set()
+    assert [c.token_id for c in llm.generate("bounded pages", max_tokens=10)] == expected
+    cap = llm.offload.host.resident_cap
+    assert cap.dropped > 0 and cap.resident <= 6 * blob
+    assert any("bounds their resident pages" in line for line in lines)

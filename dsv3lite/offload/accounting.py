@@ -48,7 +48,7 @@ def held_pointers(engine) -> set[int]:
     if engine.cache is not None:
         tensors.append(engine.cache)
     if engine.offload is not None:
-        tensors += [engine.offload.cache.pool, *engine.offload.host.layers.values()]
+        tensors += [engine.offload.cache.pool, *engine.offload.host.layers.values(), *engine.offload.host.hot.values()]
     return {_storage(t)[0] for t in tensors}
 
 

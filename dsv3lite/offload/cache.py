@@ -25,26 +25,35 @@ from .stats import CopyCounts
 
 class HostStore:
     """Per MoE layer, a uint8 [n_experts, blob_bytes] tensor (pinned, pageable or mmap'd). A mapped layer may be
-    replaced by its pinned copy while serving (`swap`, the background pinner): readers take the layer's tensor
-    once per use and keep that reference, so the old mapping stays valid for them."""
+    replaced by its pinned copy while serving (`swap`, the background pinner), and single experts of a mapped
+    layer may be served from pinned rows (`hot`: the most used ones under --cpu-mem). Readers take a blob or a
+    layer's tensor once per use and keep that reference, so an old mapping stays valid for them; a pinned row is
+    reused only once nothing reads it (host_memory.HotExperts). `resident_cap` (CPU, --cpu-mem): the bound on the
+    mapped blobs' resident pages, told of every blob read from the map."""
 
-    def __init__(self, layers: dict[int, torch.Tensor], blob_bytes: int, mode: str):
+    def __init__(self, layers: dict[int, torch.Tensor], blob_bytes: int, mode: str, resident_cap=None):
         self.layers = layers
         self.blob_bytes = blob_bytes
         self.base_mode = mode               # "pinned" | "memory" | "mmap"
         self.pinned_layers: set[int] = set(layers) if mode == "pinned" else set()
+        self.hot: dict[Key, torch.Tensor] = {}    # (layer, expert) -> its pinned row
+        self.resident_cap = resident_cap
+        self._addresses: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> (its tensor, addresses)
 
     @property
     def mode(self) -> str:
-        """"pinned", "memory", "mmap", or "mmap, N of M layers pinned" while the background pinner runs."""
+        """"pinned", "memory", "mmap", "mmap, N of M layers pinned" while the background pinner runs, or
+        "mmap, N most used experts pinned" under --cpu-mem."""
         if self.base_mode == "mmap" and self.pinned_layers:
             n, m = len(self.pinned_layers), len(self.layers)
             return "pinned" if n == m else f"mmap, {n} of {m} layers pinned"
+        if self.base_mode == "mmap" and self.hot:
+            return f"mmap, {len(self.hot)} most used experts pinned"
         return self.base_mode
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(self.layers[l].numel() for l in self.pinned_layers)
+        return sum(self.layers[l].numel() for l in self.pinned_layers) + len(self.hot) * self.blob_bytes
 
     def swap(self, layer: int, pinned: torch.Tensor) -> None:
         """Serve `layer` from its pinned copy from now on (same shape and bytes)."""
@@ -52,9 +61,41 @@ class HostStore:
         self.layers[layer] = pinned
         self.pinned_layers.add(layer)
 
+    def pin_expert(self, key: Key, row: torch.Tensor) -> None:
+        """Serve `key` from `row` (its blob's bytes, pinned) from now on."""
+        assert row.shape == (self.blob_bytes,) and row.dtype == torch.uint8
+        self.hot[key] = row
+        self._addresses.pop(key[0], None)
+
+    def unpin_expert(self, key: Key) -> torch.Tensor:
+        """Serve `key` from the map again; returns its row (still read by copies issued before this call)."""
+        row = self.hot.pop(key)
+        self._addresses.pop(key[0], None)
+        return row
+
     def blob(self, key: Key) -> torch.Tensor:
+        """The blob to read `key` from now (every read of the host tier goes through here or `addresses`)."""
+        row = self.hot.get(key)
+        if row is not None:
+            return row
         layer, e = key
-        return self.layers[layer][e]
+        blob = self.layers[layer][e]
+        if self.resident_cap is not None:
+            self.resident_cap.touch((blob.data_ptr(),))
+        return blob
+
+    def addresses(self, layer: int) -> torch.Tensor:
+        """int64 [n_experts]: where each blob of `layer` is read from now (its pinned row, else the layer's tensor).
+        Cached with the layer's tensor (a swap by another thread cannot leave addresses into a freed mapping)."""
+        blobs = self.layers[layer]
+        cached = self._addresses.get(layer)
+        if cached is None or cached[0] is not blobs:
+            table = blobs.data_ptr() + torch.arange(blobs.shape[0], dtype=torch.int64) * blobs.stride(0)
+            for (l, e), row in list(self.hot.items()):
+                if l == layer:
+                    table[e] = row.data_ptr()
+            cached = self._addresses[layer] = (blobs, table)
+        return cached[1]
 
     @property
     def total_bytes(self) -> int:
@@ -185,6 +226,17 @@ class ExpertCache:
         while self.stalls and self.stalls[0][1].query():
             before, after = self.stalls.popleft()
             self.counts.stall_s += before.elapsed_time(after) / 1e3
+
+    def fence(self):
+        """A callable that returns once every copy issued so far has finished (any thread may call it)."""
+        if not self.cuda:
+            return lambda: None
+        events = []
+        for stream in self.copies:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events.append(ev)
+        return lambda: [ev.synchronize() for ev in events] and None
 
     def prefetches_queued(self) -> int:
         """Prefetch copies issued and not yet finished (CPU: copies are synchronous, none)."""

@@ -61,7 +61,6 @@ class CpuWorker:
         self.threads = threads or torch.get_num_threads()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dsv3lite-cpu-experts")
         weakref.finalize(self, self.executor.shutdown, False)     # the thread ends with its runtime
-        self.ptrs: dict[int, tuple[int, torch.Tensor]] = {}    # layer -> (blobs.data_ptr(), blob addresses)
         n_experts = max(blobs.shape[0] for blobs in host.layers.values())
         self.masked = torch.zeros(n_experts, dtype=torch.int64)     # this job's experts' addresses, 0 elsewhere
         self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -70,14 +69,6 @@ class CpuWorker:
         self.jobs = 0
         self.compute_s = 0.0      # worker time in the kernel
         self.wait_s = 0.0         # caller time blocked on the worker
-
-    def _pointers(self, layer_id: int, blobs: torch.Tensor) -> torch.Tensor:
-        """Blob addresses of `blobs` (the layer's current tensor: mapped, or pinned once the pinner swapped it)."""
-        cached = self.ptrs.get(layer_id)
-        if cached is None or cached[0] != blobs.data_ptr():
-            cached = self.ptrs[layer_id] = (blobs.data_ptr(),
-                                            cpu_experts.blob_pointers(blobs, blobs.shape[0], self.layout))
-        return cached[1]
 
     def reset_counts(self) -> None:
         self.jobs, self.compute_s, self.wait_s = 0, 0.0, 0.0
@@ -112,7 +103,7 @@ class CpuWorker:
         blobs = self.host.layers[layer_id]              # held by the job: a swap cannot free what it reads
         idx = torch.tensor(sorted(experts))
         self.masked.zero_()
-        self.masked[idx] = self._pointers(layer_id, blobs)[idx]
+        self.masked[idx] = self.host.addresses(layer_id)[idx]
         ids = torch.tensor(rows, dtype=torch.int64)
         consumed, self.consumed = self.consumed, None
         self.busy.acquire()
@@ -154,7 +145,7 @@ class CpuWorker:
         for e in experts:
             blob = blobs[e:e + 1]
             int(blob[0, ::4096].sum())                  # pages in (an mmap'd tier), without filling the caches
-            ptrs = self._pointers(layer_id, blobs)[e:e + 1]
+            ptrs = self.host.addresses(layer_id)[e:e + 1]
             t0 = time.perf_counter()
             cpu_experts.cpu_experts_forward(x, ids, ones, blob, self.layout, ptrs=ptrs, per_pair=True, out=out,
                                             threads=self.threads)

@@ -4,9 +4,13 @@
 a power of two: a DeepSeek-V3 FP8 layer of expert blobs (10.5 GiB) would take 16 GiB, 944 GiB in all for
 619 GiB of data. Instead the tier allocates ordinary memory of the exact size and registers it with the CUDA
 driver (cudaHostRegister): the same DMA speed as pinned memory, nothing rounded, unregistered when freed.
+
+Also here: the background pinners of a mapped tier (whole layers, `BackgroundPinner`, when all of it fits; the
+most used experts up to --cpu-mem, `HotExperts`, when it does not) and `ResidentCap`, --cpu-mem on the CPU.
 """
 from __future__ import annotations
 
+import mmap
 import weakref
 
 import torch
@@ -72,3 +76,143 @@ class BackgroundPinner:
 
     def join(self, timeout: float | None = None) -> None:
         self.thread.join(timeout)
+
+
+class HotExperts:
+    """--cpu-mem below a mapped tier's size: the most used experts pinned, up to `capacity` of them, the rest served
+    from the map. After each prompt (`update`, called where nothing reads the host tier: no copy being issued, no
+    CPU job running) the routing counts, decayed by `decay` per prompt, rank the experts: those that left the top
+    `capacity` go back to the map at once; a background thread waits until every copy issued from their rows has
+    finished (`fence`), then copies the newcomers into free rows and publishes each (HostStore.pin_expert). Rows are
+    allocated `chunk_rows` at a time with `pin` (exact size, pinned_empty) and never beyond `capacity`."""
+
+    def __init__(self, host, capacity: int, fence=None, pin=None, log=None, chunk_rows: int = 16,
+                 decay: float = 0.5):
+        import queue
+        import threading
+
+        self.host, self.capacity, self.chunk_rows, self.decay = host, capacity, chunk_rows, decay
+        self.fence = fence or (lambda: (lambda: None))
+        self.pin = pin or (lambda shape: pinned_empty(shape))
+        self.log = log or (lambda msg: None)
+        self.score: dict = {}
+        self.free: list[torch.Tensor] = []          # pinned rows holding no published expert
+        self.allocated = 0                          # rows allocated so far (<= capacity)
+        self.pending: set = set()                   # keys queued to be pinned
+        self.error: str | None = None
+        self.queue: "queue.Queue" = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="dsv3lite-pin-hot", daemon=True)
+        self.thread.start()
+
+    def ranked(self) -> list:
+        """The keys to keep pinned: the `capacity` highest scores (a pinned key first among equals, then by key)."""
+        hot = self.host.hot
+        return sorted(self.score, key=lambda k: (-self.score[k], k not in hot, k))[:self.capacity]
+
+    def update(self, counts: dict) -> None:
+        if self.error is not None:
+            return
+        for k in self.score:
+            self.score[k] *= self.decay
+        for k, c in counts.items():
+            self.score[k] = self.score.get(k, 0.0) + c
+        wanted = self.ranked()
+        keep = set(wanted)
+        freed = [self.host.unpin_expert(k) for k in list(self.host.hot) if k not in keep]
+        newcomers = [k for k in wanted if k not in self.host.hot and k not in self.pending]
+        if not freed and not newcomers:
+            return
+        self.pending.update(newcomers)
+        self.queue.put((self.fence() if freed else None, freed, newcomers))
+
+    def _row(self) -> torch.Tensor | None:
+        if not self.free:
+            n = min(self.chunk_rows, self.capacity - self.allocated)
+            if n <= 0:
+                return None
+            chunk = self.pin((n, self.host.blob_bytes))
+            self.allocated += n
+            self.free.extend(chunk[i] for i in range(n))     # each row keeps its chunk alive
+        return self.free.pop()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            fence, freed, newcomers = item
+            try:
+                if fence is not None:
+                    fence()                                  # nothing still reads the freed rows
+                self.free.extend(freed)
+                for key in newcomers:
+                    row = self._row()
+                    if row is None:
+                        break
+                    layer, e = key
+                    row.copy_(self.host.layers[layer][e])
+                    self.host.pin_expert(key, row)
+            except Exception as e:                           # noqa: BLE001 (pinning stops, serving goes on)
+                self.error = str(e)
+                self.log(f"note: pinning the most used experts stopped at {len(self.host.hot)}: {e}")
+                return
+            finally:
+                self.pending.difference_update(newcomers)
+                self.queue.task_done()
+
+    def join(self) -> None:
+        """Wait until every queued update is pinned."""
+        self.queue.join()
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+
+def _madvise_dontneed():
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    dontneed = 4                                             # MADV_DONTNEED on Linux
+
+    def drop(ptr: int, nbytes: int) -> None:
+        page = mmap.PAGESIZE
+        start = -(-ptr // page) * page                       # whole pages inside the blob only
+        end = (ptr + nbytes) // page * page
+        if end > start:
+            libc.madvise(start, end - start, dontneed)
+    return drop
+
+
+class ResidentCap:
+    """--cpu-mem on the CPU: the mapped expert blobs this process has touched stay within `cap` bytes of its
+    resident memory. Each use (`touch`, blob addresses) moves the blob to the recent end; past the cap the least
+    recently used blobs' pages are dropped from the process (madvise DONTNEED on a read-only private mapping: the
+    next use reads them again from the page cache or the disk). The blobs of the current call are never dropped."""
+
+    def __init__(self, cap: int, blob_bytes: int, drop=None):
+        from collections import OrderedDict
+
+        self.cap, self.blob_bytes = cap, blob_bytes
+        self.drop = drop or _madvise_dontneed()
+        self.recent: "OrderedDict[int, None]" = OrderedDict()
+        self.resident = 0                                    # bytes of the blobs touched and not dropped
+        self.dropped = 0                                     # blobs dropped so far
+
+    def touch(self, addresses) -> None:
+        recent = self.recent
+        n = 0
+        for a in addresses:
+            n += 1
+            if a in recent:
+                recent.move_to_end(a)
+            else:
+                recent[a] = None
+                self.resident += self.blob_bytes
+        while self.resident > self.cap and len(recent) > n:
+            a, _ = recent.popitem(last=False)
+            self.drop(a, self.blob_bytes)
+            self.resident -= self.blob_bytes
+            self.dropped += 1

@@ -112,6 +112,7 @@ class OffloadRuntime:
         self.memory_checks = 0                            # 1 after a prefill, +1 per decode step up to 3
         self.memory_warned = False
         self.pinner = None                                # the background pinner of a mapped host tier, if any
+        self.hot = None                                   # --cpu-mem below the tier: host_memory.HotExperts
         self.prefill_counts: dict[tuple[int, int], int] = {}
         self.uses = UseCounts()
         self.per_layer: dict[int, UseCounts] = {}
@@ -198,6 +199,8 @@ class OffloadRuntime:
         if n > BULK_TOKENS:
             return self._bulk(layer_id, x, ids, weights, rows, counts)
         used = sorted({e for row in rows for e in row})
+        if n > 1:
+            self._count_routing(layer_id, rows)          # a prompt's chunk (or a draft's check): ranks the experts
         self._score_predictions(layer_id, set(used))
         keys = [(layer_id, e) for e in used]
         self.slots.pin(keys)
@@ -219,6 +222,12 @@ class OffloadRuntime:
         self.cache.collect_copy_time()
         self._prefetch()                             # copies that finished meanwhile make room for more
         return out
+
+    def _count_routing(self, layer_id: int, rows: list[list[int]]) -> None:
+        counts = self.prefill_counts
+        for row in rows:
+            for e in row:
+                counts[(layer_id, e)] = counts.get((layer_id, e), 0) + 1
 
     def _place(self, layer_id: int, e: int, n_tokens: int, counts: UseCounts) -> int | None:
         """Slot that will serve expert e (None: compute it on the CPU); updates hit/miss counters."""
@@ -250,12 +259,12 @@ class OffloadRuntime:
     def _one_call(self, layer_id, x, ids, weights, place) -> torch.Tensor:
         """CPU tier: every selected expert in one call of the CPU kernel, from its slot or (a CPU-assigned miss)
         its host blob: the call, order and bits of the resident provider (experts.BlobExperts)."""
-        pool, host = self.cache.pool, self.host.layers[layer_id]
+        pool, host = self.cache.pool, self.host
         base, stride = pool.data_ptr(), pool.stride(0)
         ptrs = self.ptr_table
         ptrs.zero_()
         for e, slot in place.items():
-            ptrs[e] = base + slot * stride if slot is not None else host[e].data_ptr()
+            ptrs[e] = base + slot * stride if slot is not None else host.blob((layer_id, e)).data_ptr()
         return cpu_experts.cpu_experts_forward(x, ids, weights, pool, self.layout, ptrs=ptrs)
 
     def _fused(self, layer_id, x, ids, weights, rows, place, job: CpuJob | None) -> torch.Tensor:
@@ -282,9 +291,7 @@ class OffloadRuntime:
         """Prefill: every expert this layer needs crosses once, streamed in ascending id with a few copies in
         flight ahead of compute; routing counts seed the cache afterwards."""
         used = sorted({e for row in rows for e in row})
-        for row in rows:
-            for e in row:
-                self.prefill_counts[(layer_id, e)] = self.prefill_counts.get((layer_id, e), 0) + 1
+        self._count_routing(layer_id, rows)
         per_expert = {e: 0 for e in used}
         for row in rows:
             for e in set(row):
@@ -332,6 +339,8 @@ class OffloadRuntime:
         counts, self.prefill_counts = self.prefill_counts, {}
         if not counts:
             return
+        if self.hot is not None:
+            self.hot.update(counts)                       # here nothing reads the host tier's pinned rows
         self.slots.seed({k: float(v) for k, v in counts.items()})
         free = len(self.slots.free)
         for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:free]:
@@ -356,6 +365,8 @@ class OffloadRuntime:
         self.detach()
         if self.worker is not None:
             self.worker.close()
+        if self.hot is not None:
+            self.hot.close()
 
     def reset_stats(self) -> None:
         self.cache.drain()

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -78,35 +79,87 @@ def build_offload(root: Path, args: ModelArgs, experts: str | None, gpu_mem, ctx
     layers = list(args.moe_layer_ids) + ([args.mtp_layer_id] if with_mtp else [])
     total = len(layers) * args.n_routed_experts * source.layout.blob_bytes
     source = source.cached(log)                   # an HF checkpoint's experts: its expert cache on disk
-    blobs, mode, background = _host_blobs(source, layers, device, total, options.cpu_mem_bytes, log)
-    runtime = OffloadRuntime(HostStore(blobs, source.layout.blob_bytes, mode), source.fmt, source.layout,
-                             plan.n_slots, device, dtype, options=options, plan=plan, log=log)
+    tier = host_tier(source, layers, device, total, options.cpu_mem_bytes, log)
+    runtime = OffloadRuntime(HostStore(tier.blobs, source.layout.blob_bytes, tier.mode, tier.resident_cap),
+                             source.fmt, source.layout, plan.n_slots, device, dtype, options=options, plan=plan,
+                             log=log)
     log(f"cost model: {runtime.cost.describe()}; misses: {options.miss_policy}")
-    if background:
+    if tier.pin_layers:
         from .host_memory import BackgroundPinner
 
         runtime.pinner = BackgroundPinner(runtime.host, layers, log=log)
+    elif tier.hot_capacity:
+        from .host_memory import HotExperts
+
+        runtime.hot = HotExperts(runtime.host, tier.hot_capacity, fence=runtime.cache.fence, log=log)
     return runtime
 
 
-def _host_blobs(source: ExpertSource, layers, device, total, cap, log):
-    """(per-layer [E, blob_bytes] host tensors, mode, pin in the background): pinned on CUDA when RAM (and
-    --cpu-mem) allow; a mapped source is served from its mapping at once and pinned in the background."""
+@dataclass
+class HostTier:
+    """What `host_tier` decided: per-layer [E, blob_bytes] host tensors and how they are served."""
+    blobs: dict
+    mode: str                       # "pinned" | "memory" | "mmap"
+    pin_layers: bool = False        # a mapped tier that fits: pinned layer by layer in the background
+    hot_capacity: int = 0           # CUDA, --cpu-mem below the tier: the most used experts pinned, up to this many
+    resident_cap: object = None     # CPU, --cpu-mem: host_memory.ResidentCap on the mapped blobs
+
+
+def host_tier(source: ExpertSource, layers, device, total: int, cap: int | None, log) -> HostTier:
+    """The host tier within host RAM and --cpu-mem (`cap`). Blobs packed at load live in memory (pinned on CUDA
+    when they fit), so they must fit the cap. A mapped source is served from its mapping at once; on CUDA it is
+    pinned in the background, whole when it fits, else its most used experts up to the cap; on the CPU the cap
+    bounds the mapped blobs' resident pages."""
     import psutil
+
+    available = psutil.virtual_memory().available - HOST_RESERVE_BYTES
+    cuda = device.type == "cuda"
+    blob_bytes = source.layout.blob_bytes
+    if not source.mapped:
+        if cap is not None and total > cap:
+            from ..expert_cache_dir import ENV
+
+            raise UserError(f"--cpu-mem {format_bytes(cap)} is below the {format_bytes(total)} of {source.fmt.name} "
+                            f"expert blobs this run packs in memory: let the expert cache serve them from disk "
+                            f"(drop {ENV}=off, or free disk room for it) or raise --cpu-mem")
+        return _packed_tier(source, layers, total, pin=cuda and total <= available, log=log)
+    blobs = {layer: source.layer_blobs(layer) for layer in layers}
+    fits = total <= available and (cap is None or total <= cap)
+    if cuda and fits:
+        log(f"host tier: {format_bytes(total)} of expert blobs, mmap; pinning them in the background, layer by "
+            f"layer (the stats say how much is pinned)")
+        return HostTier(blobs, "mmap", pin_layers=True)
+    if cuda and cap is not None and min(cap, available) >= blob_bytes:
+        n = min(cap, available) // blob_bytes
+        log(f"host tier: {format_bytes(total)} of expert blobs, mmap; --cpu-mem {format_bytes(cap)}: the {n:,} most "
+            f"used experts ({format_bytes(n * blob_bytes)}) pinned in the background after each prompt, the rest "
+            f"served from the map" + ("" if cap <= available else f" (host RAM allows {format_bytes(available)})"))
+        return HostTier(blobs, "mmap", hot_capacity=n)
+    if cuda:
+        log(f"note: host RAM cannot hold the {format_bytes(total)} of expert blobs pinned: serving them from the "
+            f"mmap'd checkpoint (pageable copies run at about half the H2D bandwidth; --cpu-mem SIZE pins the most "
+            f"used experts up to SIZE)")
+        log(f"host tier: {format_bytes(total)} of expert blobs, mmap")
+        return HostTier(blobs, "mmap")
+    resident_cap = None
+    if cap is not None:
+        from .host_memory import ResidentCap
+
+        resident_cap = ResidentCap(cap, blob_bytes)
+        log(f"host tier: {format_bytes(total)} of expert blobs, mmap; --cpu-mem {format_bytes(cap)} bounds their "
+            f"resident pages (the least recently used are dropped)")
+    else:
+        log(f"host tier: {format_bytes(total)} of expert blobs, mmap")
+    return HostTier(blobs, "mmap", resident_cap=resident_cap)
+
+
+def _packed_tier(source: ExpertSource, layers, total: int, pin: bool, log) -> HostTier:
+    """Blobs quantized or repacked at load into host memory, each layer in exactly-sized pinned memory if `pin`."""
     from tqdm import tqdm
 
     from .host_memory import pinned_empty
 
-    available = psutil.virtual_memory().available - HOST_RESERVE_BYTES
-    pin = device.type == "cuda" and total <= available and (cap is None or total <= cap)
-    if not source.mapped:
-        log(f"packing routed experts as {source.fmt.name} blobs in host memory ({format_bytes(total)})")
-    background = pin and source.mapped
-    if background:
-        blobs = {layer: source.layer_blobs(layer) for layer in layers}
-        log(f"host tier: {format_bytes(total)} of expert blobs, mmap; pinning them in the background, layer by "
-            f"layer (the stats say how much is pinned)")
-        return blobs, "mmap", True
+    log(f"packing routed experts as {source.fmt.name} blobs in host memory ({format_bytes(total)})")
     blobs = {}
     for layer in tqdm(layers, desc="host tier", unit="layer", disable=None, leave=False):
         t = source.layer_blobs(layer)
@@ -115,15 +168,6 @@ def _host_blobs(source: ExpertSource, layers, device, total, cap, log):
             pinned.copy_(t)
             t = pinned
         blobs[layer] = t
-    if pin:
-        mode = "pinned"
-    elif source.mapped:
-        mode = "mmap"
-        if device.type == "cuda":
-            why = "--cpu-mem" if cap is not None and total > cap else "host RAM"
-            log(f"note: {why} cannot hold the {format_bytes(total)} of expert blobs pinned: serving them from the "
-                f"mmap'd checkpoint (pageable copies run at about half the H2D bandwidth)")
-    else:
-        mode = "memory"
+    mode = "pinned" if pin else "memory"
     log(f"host tier: {format_bytes(total)} of expert blobs, {mode}")
-    return blobs, mode, False
+    return HostTier(blobs, mode)
