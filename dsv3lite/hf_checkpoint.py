@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -261,6 +262,9 @@ def check_fp8_scale(name: str, weight_shape, scale_shape) -> None:
                         f"for a {tuple(weight_shape)} weight with 128x128 blocks")
 
 
+READ_AHEAD_BYTES = 512 * 2**20     # how far TensorReader.weights reads ahead of its caller
+
+
 class TensorReader:
     """Tensors of a checkpoint read one at a time with pread at the offsets of the safetensors headers, into
     memory of their own. (safetensors' safe_open maps the shard, and every page a read touches stays in the
@@ -269,18 +273,20 @@ class TensorReader:
     def __init__(self, index: CheckpointIndex):
         self.index = index
         self._shards: dict[Path, tuple[int, dict[str, TensorSpan]]] = {}   # shard -> (fd, name -> span)
+        self._lock = threading.Lock()
 
     def _locate(self, name: str) -> tuple[int, TensorSpan, Path]:
         shard = self.index.files.get(name)
         if shard is None:
             raise UserError(f"checkpoint is missing tensor {name}")
-        if shard not in self._shards:
-            spans = tensor_spans(shard)
-            try:
-                self._shards[shard] = (os.open(shard, os.O_RDONLY), spans)
-            except OSError as e:
-                raise UserError(f"cannot read {shard}: {e.strerror}") from None
-        fd, spans = self._shards[shard]
+        with self._lock:                                   # the read-ahead thread opens shards too
+            if shard not in self._shards:
+                spans = tensor_spans(shard)
+                try:
+                    self._shards[shard] = (os.open(shard, os.O_RDONLY), spans)
+                except OSError as e:
+                    raise UserError(f"cannot read {shard}: {e.strerror}") from None
+            fd, spans = self._shards[shard]
         stored = self.index.stored.get(name, name)
         if stored not in spans:
             raise UserError(f"{shard.name} does not hold {stored}, which the checkpoint index places there")
@@ -315,6 +321,44 @@ class TensorReader:
         s = self.get(name + "_scale_inv")
         check_fp8_scale(name, w.shape, s.shape)
         return w, s.float()
+
+    def weights(self, names, ahead_bytes: int = READ_AHEAD_BYTES):
+        """(name, weight, scale) of each of `names` in order, as `weight` gives them, read by a background thread
+        up to `ahead_bytes` ahead of the caller (reads overlap what the caller does with each tensor: dequantize,
+        pack, place). Errors surface at the tensor they belong to; leaving the loop early stops the reads."""
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        names = list(names)
+        pending: deque = deque()
+        queued = 0
+        with ThreadPoolExecutor(1, thread_name_prefix="dsv3lite-read") as pool:
+            try:
+                nxt = 0
+                while nxt < len(names) or pending:
+                    while nxt < len(names) and (not pending or queued < ahead_bytes):
+                        try:
+                            size = self.nbytes(names[nxt])
+                        except UserError:
+                            size = 0                     # its read raises the same error, at its turn
+                        pending.append((names[nxt], size, pool.submit(self.weight, names[nxt])))
+                        queued += size
+                        nxt += 1
+                    name, size, future = pending.popleft()
+                    queued -= size
+                    w, scale = future.result()
+                    yield name, w, scale
+            finally:
+                for _, _, future in pending:
+                    future.cancel()
+
+    def nbytes(self, name: str) -> int:
+        """Bytes `weight(name)` reads (its scale_inv included)."""
+        _, span, _ = self._locate(name)
+        n = span.nbytes
+        if span.dtype == "F8_E4M3" and self.has(name + "_scale_inv"):
+            n += self._locate(name + "_scale_inv")[1].nbytes
+        return n
 
     def close(self) -> None:
         for fd, _ in self._shards.values():

@@ -70,3 +70,33 @@ def test_a_cuda_budget_keeps_a_reserve_and_names_the_largest_that_works(monkeypa
         setup.resolve_budget("79G", cuda)
     with pytest.raises(UserError, match="leaves nothing"):
         setup.resolve_budget("1G", cuda)
+
+
+def test_read_ahead_gives_each_tensor_as_weight_does_in_order_and_stops_early(tmp_path):
+    """TensorReader.weights: a background thread reads ahead within its byte budget; the tensors (FP8 ones with
+    their scale_inv) equal one-at-a-time reads, in the caller's order; an error belongs to its tensor; breaking
+    out of the loop stops the reads."""
+    from dsv3lite.hf_checkpoint import CheckpointIndex, TensorReader
+    from dsv3lite.testing import write_checkpoint, write_fp8_copy
+
+    path = write_fp8_copy(write_checkpoint(tmp_path / "m", "v3fp8"), tmp_path / "fp8")
+    index = CheckpointIndex.open(path)
+    names = sorted(n for n in index.files if not n.endswith("_scale_inv"))[::-1]
+    with TensorReader(index) as one, TensorReader(index) as ahead:
+        expected = [(n, *one.weight(n)) for n in names]
+        assert any(s is not None for _, _, s in expected)
+        for budget in (1, 1 << 16, 1 << 30):
+            got = list(ahead.weights(names, ahead_bytes=budget))
+            assert [g[0] for g in got] == names
+            for (n, w, s), (_, w2, s2) in zip(expected, got):
+                assert torch.equal(w.view(torch.uint8), w2.view(torch.uint8)), n
+                assert (s is None and s2 is None) or torch.equal(s, s2)
+        it = ahead.weights(names)
+        next(it)
+        it.close()                                      # leaving early: the pool shuts down, nothing hangs
+        index.files["no.such.tensor"] = index.files[names[0]]
+        seen = []
+        with pytest.raises(UserError, match="does not hold no.such.tensor"):
+            for n, _, _ in ahead.weights([names[0], "no.such.tensor"]):
+                seen.append(n)
+        assert seen == [names[0]]
