@@ -91,7 +91,9 @@ def engine_options(temp: float = 0.0, top_p: float = 1.0):
         click.option("--gpu-mem", type=SIZE, default=None,
                      help="Hard cap on GPU bytes (80G = 80 GiB, 80GB = 80e9, or auto). On CPU it turns on the "
                           "simulated device tier with this budget."),
-        click.option("--cpu-mem", type=SIZE, default=None, help="Cap on pinned host memory for expert blobs."),
+        click.option("--cpu-mem", type=SIZE, default=None,
+                     help="Cap on host memory for expert blobs. With a GPU: pin the most used experts up to it, "
+                          "serve the rest from the mapped file. On CPU: bound the mapped experts' resident pages."),
         click.option("--ctx-size", "-c", type=click.IntRange(min=2), default=None,
                      help="Context length (tokens) of the latent cache.  [default: 4096, or the model's limit]"),
         click.option("--max-tokens", "-m", type=click.IntRange(min=1), default=256, show_default=True,
