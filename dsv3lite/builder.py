@@ -50,10 +50,11 @@ def resident_experts(root: Path, args: ModelArgs, experts: str | None, device: t
 
 def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.device, budget: int, ctx_size: int,
                  experts: str | None, mtp: bool, dtype: torch.dtype, log) -> str | None:
-    """The --dense of a run: `dense` when given; else, for an FP8 checkpoint on CUDA whose plan with the non-expert
-    weights in `dtype` does not fit `budget` (too small for the resident set and the minimum of expert slots) but
-    does with them kept in fp8, "fp8", said in one log line; else None."""
-    if dense is not None or device.type != "cuda" or tuple(args.fp8_block_size or ()) != (128, 128):
+    """The --dense of a CUDA run: `dense` when given; else, when the plan with the non-expert weights in `dtype`
+    does not fit `budget` (too small for the resident set and the minimum of expert slots): "fp8" for an FP8
+    checkpoint (128x128 blocks) whose plan fits with them kept in fp8, said in one log line; failing that, a note
+    when --dense int4 would fit (the budget error follows). Else None."""
+    if dense is not None or device.type != "cuda":
         return dense
     from .offload.setup import plan_for
 
@@ -66,13 +67,17 @@ def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.d
 
     if plan(None) is not None:
         return None
-    packed = plan("fp8")
-    if packed is None:
-        return None                          # neither fits: the offload setup says by how much, as without --dense
-    log(f"--dense fp8: the non-expert weights in {str(dtype).replace('torch.', '')} do not fit --gpu-mem "
-        f"{format_bytes(budget)} with expert slots; keeping the FP8 checkpoint's own fp8 weights on the GPU "
-        f"({packed.n_slots} expert slots; --dense int4 or a larger --gpu-mem to choose otherwise)")
-    return "fp8"
+    packed = plan("fp8") if tuple(args.fp8_block_size or ()) == (128, 128) else None
+    if packed is not None:
+        log(f"--dense fp8: the non-expert weights in {str(dtype).replace('torch.', '')} do not fit --gpu-mem "
+            f"{format_bytes(budget)} with expert slots; keeping the FP8 checkpoint's own fp8 weights on the GPU "
+            f"({packed.n_slots} expert slots; --dense int4 or a larger --gpu-mem to choose otherwise)")
+        return "fp8"
+    packed = plan("int4")
+    if packed is not None:       # the offload setup's budget error follows
+        log(f"note: with --dense int4 (non-expert weights as 4-bit groups) --gpu-mem {format_bytes(budget)} holds "
+            f"the resident set and {packed.n_slots} expert slots")
+    return None
 
 
 def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | None = None, mtp: bool = True,

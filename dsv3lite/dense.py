@@ -35,7 +35,7 @@ from .utils import format_bytes
 KEEP = ("wkv_b", "weights_proj")                    # nn.Linear attributes whose .weight the model reads itself
 GPU_DENSE = ("fp8", "int4", "bf16")                 # the --dense dtypes with a GPU path (int8: CPU only)
 DECODE_ROWS = 16                                    # up to this many rows: the W8A16 / W4A16 kernels
-CHUNK_ELEMENTS = 1 << 23                            # weight elements per row chunk dequantized (prefill) or packed
+CHUNK_ELEMENTS = 1 << 22                            # weight elements per row chunk dequantized (prefill) or packed
 
 
 def check_dense(dense: str | None, device: torch.device) -> None:

@@ -94,10 +94,11 @@ def footprint(a: ModelArgs) -> Footprint:
     return fp
 
 
-# --- non-expert weights packed for the CPU (`--dense`, dsv3lite/dense.py) ------------------------------
+# --- non-expert weights packed (`--dense`, dsv3lite/dense.py: CPU every dtype, CUDA fp8 / int4 / bf16) ----------
 
-# bytes per weight, scales included: int8 and int4 carry 4 bytes of scale (and zero) per group of 128 along K,
-# fp8 one fp32 scale per 128x128 block
+# bytes per weight, scales included, as PackedLinear holds them on either device: int8 and int4 carry 4 bytes of
+# scale (and zero) per group of 128 along K, fp8 one fp32 scale per 128x128 block (an FP8 checkpoint's own
+# weight_scale_inv with --dense fp8)
 DENSE_WEIGHT_BYTES = {"int8": 1 + 4 / 128, "int4": 0.5 + 4 / 128, "fp8": 1 + 4 / 128 ** 2, "bf16": 2.0}
 DENSE_DTYPES = tuple(DENSE_WEIGHT_BYTES)      # the --dense vocabulary (`quantize --dense` stores bf16 or fp8 of it)
 

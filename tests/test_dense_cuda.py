@@ -265,35 +265,36 @@ def test_memory_with_packing_while_loading(realwidth, monkeypatch):
 # --- the default --dense on CUDA ------------------------------------------------------------------------------
 
 def test_default_dense_fp8_for_an_fp8_checkpoint_that_needs_it(realwidth):
-    """On cuda (simulated: the decision reads shapes only), a budget between the bf16-dense and fp8-dense minimums
-    gets --dense fp8 with one log line; an explicit --dense, a roomy budget, CPU or a bf16 checkpoint get no change."""
+    """On cuda (simulated: the decision reads shapes only), a budget between the fp8-dense and bf16-dense minimums
+    gets --dense fp8 with one log line; an explicit --dense, a roomy budget, CPU or a bf16 checkpoint get no change;
+    below the fp8 minimum, a note when --dense int4 would fit."""
     from dsv3lite.builder import choose_dense
     from dsv3lite.config import ModelArgs
     from dsv3lite.offload.setup import plan_for
 
     cuda, ctx = torch.device("cuda"), 256
-    root = realwidth["fp8"]
-    args = ModelArgs.from_dir(root)
+    root, bf16 = realwidth["fp8"], realwidth["bf16"]
+    args, bf16_args = ModelArgs.from_dir(root), ModelArgs.from_dir(bf16)
 
     def minimum(d):
         p = plan_for(root, args, 1 << 40, ctx, "int4", True, torch.bfloat16, d)[0]
         return p.resident + 2 * args.num_experts_per_tok * p.slot_bytes
 
-    low, high = minimum("fp8"), minimum(None)
-    assert low < high
-    budget = (low + high) // 2
-    lines = []
-    assert dense_choice(choose_dense, root, args, None, cuda, budget, ctx, lines) == "fp8"
-    assert len(lines) == 1 and "--dense fp8" in lines[0] and "expert slots" in lines[0]
-    quiet = []
-    assert dense_choice(choose_dense, root, args, "int4", cuda, budget, ctx, quiet) == "int4"
-    assert dense_choice(choose_dense, root, args, None, cuda, high + (64 << 20), ctx, quiet) is None
-    assert dense_choice(choose_dense, root, args, None, CPU, budget, ctx, quiet) is None
-    assert dense_choice(choose_dense, root, args, None, cuda, low // 2, ctx, quiet) is None     # nothing fits
-    bf16 = realwidth["bf16"]
-    assert dense_choice(choose_dense, bf16, ModelArgs.from_dir(bf16), None, cuda, budget, ctx, quiet) is None
-    assert not quiet
+    int4, fp8, full = minimum("int4"), minimum("fp8"), minimum(None)
+    assert int4 < fp8 < full
+    budget = (fp8 + full) // 2
 
+    def choice(d, device=cuda, at=budget, where=root, a=args):
+        lines = []
+        return choose_dense(where, a, d, device, at, ctx, "int4", True, torch.bfloat16, lines.append), lines
 
-def dense_choice(choose_dense, root, args, d, device, budget, ctx, lines):
-    return choose_dense(root, args, d, device, budget, ctx, "int4", True, torch.bfloat16, lines.append)
+    got, lines = choice(None)
+    assert got == "fp8" and len(lines) == 1 and "--dense fp8" in lines[0] and "expert slots" in lines[0]
+    assert choice("int4") == ("int4", []) and choice("bf16") == ("bf16", [])
+    assert choice(None, at=full + (64 << 20)) == (None, [])
+    assert choice(None, device=CPU) == (None, [])
+    got, lines = choice(None, at=(int4 + fp8) // 2)                         # fp8 does not fit, int4 does
+    assert got is None and len(lines) == 1 and "--dense int4" in lines[0]
+    assert choice(None, at=int4 // 2) == (None, [])                         # nothing fits: the budget error follows
+    got, lines = choice(None, where=bf16, a=bf16_args)                      # a bf16 checkpoint: never fp8 by default
+    assert got is None and all("--dense fp8" not in line for line in lines)
