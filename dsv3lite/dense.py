@@ -153,8 +153,8 @@ def packed_matmul(x: torch.Tensor, fmt: str, n: int, weight: torch.Tensor, scale
     """x [M, K] -> x @ W^T [M, N] in x.dtype for a weight packed by `pack_weight`: the one dispatch of PackedLinear.
 
     backend 'cpu': kernels/cpu_linear.py. backend 'gpu': M <= DECODE_ROWS, the W8A16 / W4A16 kernel; more rows, the
-    twins over row chunks of the weight (a dequantized chunk of about CHUNK_ELEMENTS at a time); bf16 in x's dtype
-    bf16 one matmul."""
+    twins over row chunks of the weight (a dequantized chunk of about CHUNK_ELEMENTS at a time); a bf16 weight with
+    bf16 x, one matmul whatever M."""
     if backend == "cpu":
         return linear_forward(x, fmt, n, weight, scale, zero)
     x = x if x.stride(-1) == 1 else x.contiguous()
