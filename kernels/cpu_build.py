@@ -21,8 +21,10 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-# -ffp-contract=off: the kernels' only fused multiply-adds are the written ones (their twins' rounding steps)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+# -ffp-contract=off: the kernels' only fused multiply-adds are the written ones (their twins' rounding steps);
+# -fno-trapping-math: float compares and selects may be vectorized (no value changes: exceptions are never enabled)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fPIC",
+         "-shared", "-std=c++17")
 ABI = 1                            # dsv3_cpu_abi() of a library these bindings fit
 
 _c_i64, _c_int, _c_ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -93,6 +95,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int]
     lib.dsv3_fp8_dequant.restype = _c_int
     lib.dsv3_fp8_dequant.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int]
+    lib.dsv3_int4_quantize.restype = _c_int
+    lib.dsv3_int4_quantize.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_ptr, _c_i64,
+                                       _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_int]
     return lib
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
-from .fp8 import BLOCK, fp8_block_dequant
+from .fp8 import BLOCK, fp8_block_dequant, scale_grid_shape
 from .layout import MATRICES, ExpertFormat
 
 GROUP_SIZES = (32, 64, 128)
@@ -58,7 +58,7 @@ def _scale_zero(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch
     """fp16-representable (scale, zero) as fp32 for a range [lo, hi] widened to include 0."""
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
     s = ((hi - lo) / QMAX).clamp(min=FP16_TINY).half().float()
-    z = (-lo / s).half().float()
+    z = ((0.0 - lo) / s).half().float()      # 0 - lo, not -lo: a zero lo gives +0 whatever its sign
     return s, z
 
 
@@ -67,13 +67,24 @@ def _quant_codes(wg: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Te
     return (wg / s).add_(z).clamp_(0, QMAX).round_()
 
 
+def _sum_by_halves(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim, keeping it (size 1), in a fixed order: while the width n > 1, element i + ceil(n/2) is
+    added to element i. Elementwise adds only, so every device and the compiled quantizer (which writes the same
+    loop) round alike; torch's own sum adds in an order that depends on the vector width."""
+    while x.shape[-1] > 1:
+        n, h = x.shape[-1], -(-x.shape[-1] // 2)
+        top = x[..., :n - h] + x[..., h:]
+        x = top if n == 2 * h else torch.cat([top, x[..., n - h:h]], dim=-1)
+    return x
+
+
 def _group_sq_error(wg, s, z, valid):
     """Sum of squared reconstruction errors per group: wg [N, G, g], s and z [..., N, G, 1] -> [..., N, G, 1]."""
     t = (wg / s).add_(z)                           # the code before rounding
     err = t.clamp(0, QMAX).round_().sub_(t)        # (q - z) * s - w == (q - t) * s
     if valid is not None:
         err.mul_(valid)
-    return torch.linalg.vecdot(err, err).unsqueeze(-1).mul_(s * s)
+    return _sum_by_halves(err.mul_(err)).mul_(s * s)
 
 
 def _chunked_errors(wg, s, z, valid, rows):
@@ -124,16 +135,76 @@ def _chunk_rows(n: int, kp: int, device: torch.device) -> int:
     return rows // BLOCK * BLOCK if rows >= BLOCK else 1 << (rows.bit_length() - 1)
 
 
+_SRC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}  # the kernel's sources
+
+
+def _search_of(clip_search: bool | ClipSearch) -> ClipSearch | None:
+    return CLIP_SEARCH if clip_search is True else (clip_search or None)
+
+
+def _kernel_library(w: torch.Tensor, group_size: int, scale_inv: torch.Tensor | None):
+    """The compiled CPU kernels when they can quantize w (on the CPU, a source dtype and group size they take),
+    else None."""
+    if (w.device.type != "cpu" or w.dim() != 2 or w.dtype not in _SRC_KINDS or group_size not in GROUP_SIZES
+            or w.numel() == 0 or (scale_inv is not None and (w.dtype != torch.float8_e4m3fn
+                                                             or scale_inv.device.type != "cpu"))):
+        return None
+    from ..kernels import cpu_build
+
+    return cpu_build.library()
+
+
+def _int4_quantize_kernel(lib, w, group_size, search, scale_inv, out=None):
+    """int4_quantize by the compiled kernel (kernels/csrc/cpu_kernels.cpp dsv3_int4_quantize: the twin's
+    operations in its order, rows on torch's CPU threads), into `out` = (qweight, scales, zeros) if given."""
+    n, k = w.shape
+    g = group_size
+    kp = padded_k(k, g)
+    if scale_inv is not None and tuple(scale_inv.shape) != scale_grid_shape(n, k):
+        raise ValueError(f"scale grid {tuple(scale_inv.shape)} does not fit weight {(n, k)}: "
+                         f"expected {scale_grid_shape(n, k)}")
+    if out is None:
+        out = (torch.empty(n, kp // 2, dtype=torch.uint8), torch.empty(n, kp // g, dtype=torch.float16),
+               torch.empty(n, kp // g, dtype=torch.float16))
+    qweight, scales, zeros = out
+    wc = w.contiguous()
+    sc = None if scale_inv is None else scale_inv.float().contiguous()
+    shrink = torch.tensor(search.shrink if search else (), dtype=torch.float32)
+    steps = torch.tensor(search.end_steps if search else (), dtype=torch.float32)
+    rc = lib.dsv3_int4_quantize(wc.data_ptr(), _SRC_KINDS[w.dtype], None if sc is None else sc.data_ptr(), n, k, g,
+                                int(search is not None), shrink.data_ptr(), shrink.numel(), steps.data_ptr(),
+                                steps.numel(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                                torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"dsv3_int4_quantize failed ({rc})")
+    return qweight, scales, zeros
+
+
 def int4_quantize(w: torch.Tensor, group_size: int = 128, clip_search: bool | ClipSearch = True,
-                  scale_inv: torch.Tensor | None = None):
+                  scale_inv: torch.Tensor | None = None, use_kernel: bool = True):
     """w [N, K] float -> (qweight uint8 [N, Kp/2], scales float16 [N, Kp/g], zeros float16 [N, Kp/g]).
 
     `clip_search`: True for CLIP_SEARCH, False for plain min/max ranges, or a ClipSearch. With `scale_inv`
     (an FP8 checkpoint's block grid), w is float8_e4m3fn, dequantized here the project's one way
     (quant.fp8.fp8_block_dequant), so the result equals quantizing the dequantized matrix.
+    On the CPU (fp32, bf16, fp16 or FP8 sources, the group sizes of GROUP_SIZES) the compiled kernel runs where
+    there is one, on torch's CPU threads; else, or with use_kernel=False, the twin int4_quantize_ref. Both give
+    the same bits (tests/test_int4_kernel.py) except for NaN weights, whose codes neither specifies."""
+    if use_kernel:
+        lib = _kernel_library(w, group_size, scale_inv)
+        if lib is not None:
+            return _int4_quantize_kernel(lib, w, group_size, _search_of(clip_search), scale_inv)
+    return int4_quantize_ref(w, group_size, clip_search, scale_inv)
+
+
+def int4_quantize_ref(w: torch.Tensor, group_size: int = 128, clip_search: bool | ClipSearch = True,
+                      scale_inv: torch.Tensor | None = None):
+    """The pure-PyTorch twin of int4_quantize (any device; the definition the kernel follows).
+
     Every step is elementwise or within one group, and row chunks are independent: the result does not depend
-    on the chunking, the thread count or the device (CPU and CUDA round every operation alike)."""
-    search = CLIP_SEARCH if clip_search is True else (clip_search or None)
+    on the chunking, the thread count or the device (CPU and CUDA round every operation alike; the error sums add
+    by halves, _sum_by_halves, not in torch's vector-width-dependent order)."""
+    search = _search_of(clip_search)
     n, k = w.shape
     g = group_size
     kp = padded_k(k, g)
@@ -208,9 +279,44 @@ class Int4Format(ExpertFormat):
         qweight, scales, zeros = int4_quantize(w, self.group_size, self.clip_search)
         return {"qweight": qweight, "scales": scales, "zeros": zeros}
 
+    def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        blob = self._pack_by_kernel([(gate, None), (up, None), (down, None)], out)
+        return super().pack(gate, up, down, out) if blob is None else blob
+
+    def _pack_by_kernel(self, weights, out: torch.Tensor | None) -> torch.Tensor | None:
+        """The blob with each matrix quantized by the compiled kernel straight into its place (the bytes _write
+        gives: gaps zero), or None where the kernel cannot take all three."""
+        (gate, _), (up, _), (down, _) = weights
+        if (gate.dim() != 2 or gate.shape != up.shape or tuple(down.shape) != (gate.shape[1], gate.shape[0])
+                or any(_kernel_library(w, self.group_size, s) is None for w, s in weights)):
+            return None
+        from ..kernels import cpu_build
+
+        lib = cpu_build.library()
+        layout = self.layout(*gate.shape)
+        if out is None:
+            blob = torch.empty(layout.blob_bytes, dtype=torch.uint8)
+        else:
+            layout.view(out, next(iter(layout.components)))  # checks dtype, shape, contiguity
+            blob = out
+        end = 0
+        for c in sorted(layout.components.values(), key=lambda c: c.offset):
+            blob[end:c.offset].zero_()
+            end = c.offset + c.nbytes
+        blob[end:].zero_()
+        search = _search_of(self.clip_search)
+        for m, (w, s) in zip(MATRICES, weights):
+            views = tuple(layout.view(blob, f"{m}.{part}") for part in ("qweight", "scales", "zeros"))
+            _int4_quantize_kernel(lib, w, self.group_size, search, s, out=views)
+        return blob
+
     def pack_fp8(self, weights, out: torch.Tensor | None = None) -> torch.Tensor:
         """Blob from an FP8 checkpoint's (weight, scale_inv) of gate, up and down: the bytes pack() gives for the
         dequantized weights, each row chunk dequantized inside the quantizer (no full-size float copy)."""
+        blob = self._pack_by_kernel(weights, out)
+        if blob is not None:
+            return blob
         gate = weights[0][0]
         parts = {}
         for m, (w, s) in zip(MATRICES, weights):

@@ -638,3 +638,224 @@ int dsv3_fp8_dequant(const uint8_t* q, const float* s, uint16_t* out, int64_t n,
 }
 
 }  // extern "C"
+
+// ---- int4 quantization (quant/int4.py's int4_quantize_ref, the same operations in the same order) -----------
+// Per group of g consecutive k (g in 32, 64, 128; zero padding past k): lo, hi = min, max; a candidate range
+// (lo * r_lo, hi * r_hi) widened to include 0 gives s = f16(max((hi' - lo') / 15, 2^-24)), z = f16((0 - lo') / s)
+// and the error sum_i (round(clamp(w_i / s + z, 0, 15)) - (w_i / s + z))^2 over the valid elements, summed by
+// halves (element i + h added to element i for h = g/2, g/4, .., 1), times s * s. Candidates in the order of
+// _search_scale_zero; a candidate replaces the incumbent only with a smaller error (the first of equal errors
+// wins). Every step is one IEEE fp32 operation written out (-ffp-contract=off), so any vector width gives the
+// same bits.
+namespace {
+
+enum Src : int64_t { SRC_F32 = 0, SRC_BF16 = 1, SRC_F16 = 2, SRC_FP8 = 3 };
+constexpr float Q_MAX = 15.0f;
+constexpr float F16_TINY = 5.9604644775390625e-08f;   // 2^-24
+constexpr float ROUND_MAGIC = 8388608.0f;               // 2^23: (c + 2^23) - 2^23 rounds 0 <= c < 2^22 half-even
+
+inline float f16_round(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
+inline uint16_t f16_bits(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+
+inline float bits_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+struct SZ {
+  float s, z;
+};
+
+// quant/int4.py _scale_zero for one candidate range (torch's clamp keeps NaN: so do these comparisons)
+inline SZ scale_zero(float lo, float hi) {
+  lo = lo > 0.f ? 0.f : lo;
+  hi = hi < 0.f ? 0.f : hi;
+  float d = (hi - lo) / Q_MAX;
+  d = d < F16_TINY ? F16_TINY : d;
+  const float s = f16_round(d);
+  return {s, f16_round((0.f - lo) / s)};
+}
+
+// squared error of (s, z) on a group x [G] whose first `valid` elements are real
+template <int G>
+inline float group_error(const float* __restrict x, int valid, float s, float z) {
+  alignas(64) float e[G];
+  for (int i = 0; i < G; ++i) {
+    const float t = x[i] / s + z;
+    float c = t < 0.f ? 0.f : t;
+    c = c > Q_MAX ? Q_MAX : c;
+    const float d = ((c + ROUND_MAGIC) - ROUND_MAGIC) - t;
+    e[i] = d * d;
+  }
+  for (int i = valid; i < G; ++i) e[i] = 0.f;
+#pragma GCC unroll 8
+  for (int h = G / 2; h > 0; h /= 2)
+    for (int i = 0; i < h; ++i) e[i] = e[i] + e[i + h];
+  return e[0] * (s * s);
+}
+
+struct Search {
+  const float* shrink;
+  int64_t n_shrink;
+  const float* steps;
+  int64_t n_steps;
+  bool on;
+};
+
+inline float clamp_ratio(float r) {
+  r = r < 0.3f ? 0.3f : r;           // quant/int4.py MIN_RATIO, as float32
+  return r > 1.0f ? 1.0f : r;
+}
+
+template <int G>
+SZ search_group(const float* x, int valid, const Search& sr) {
+  // min and max per lane, then across lanes (exact in any order; a zero's sign never matters: see scale_zero)
+  __m256 vlo = _mm256_loadu_ps(x), vhi = vlo, vnan = _mm256_cmp_ps(vlo, vlo, _CMP_UNORD_Q);
+  for (int i = 8; i < G; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    vlo = _mm256_min_ps(vlo, v);
+    vhi = _mm256_max_ps(vhi, v);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float plo[8], phi[8];
+  _mm256_store_ps(plo, vlo);
+  _mm256_store_ps(phi, vhi);
+  float lo = plo[0], hi = phi[0];
+  for (int l = 1; l < 8; ++l) {
+    lo = std::min(lo, plo[l]);
+    hi = std::max(hi, phi[l]);
+  }
+  const bool nan = _mm256_movemask_ps(vnan) != 0;
+  if (nan) lo = hi = NAN;              // torch's amin/amax propagate NaN
+  SZ best = scale_zero(lo, hi);
+  if (!sr.on) return best;
+  float best_err = group_error<G>(x, valid, best.s, best.z);
+  float best_lo = 1.f, best_hi = 1.f;
+  // one candidate against the incumbent; the same (s, z) gives the same error: not evaluated again
+  auto trial = [&](float r_lo, float r_hi) {
+    const SZ c = scale_zero(lo * r_lo, hi * r_hi);
+    if (f32_bits(c.s) == f32_bits(best.s) && f32_bits(c.z) == f32_bits(best.z)) return;
+    const float err = group_error<G>(x, valid, c.s, c.z);
+    if (err < best_err) {
+      best_err = err;
+      best = c;
+      best_lo = r_lo;
+      best_hi = r_hi;
+    }
+  };
+  // each stage's candidates are made from the incumbent as the stage starts (as the twin batches them)
+  for (int64_t i = 0; i < sr.n_shrink; ++i) trial(sr.shrink[i], sr.shrink[i]);
+  float base_lo = best_lo, base_hi = best_hi;
+  for (int64_t i = 0; i < sr.n_steps; ++i) trial(clamp_ratio(base_lo + sr.steps[i]), base_hi);
+  base_lo = best_lo;
+  base_hi = best_hi;
+  for (int64_t i = 0; i < sr.n_steps; ++i) trial(base_lo, clamp_ratio(base_hi + sr.steps[i]));
+  return best;
+}
+
+// e4m3 code -> fp32 (NaN codes 0x7f, 0xff to NaN), by integer operations the compiler vectorizes
+inline float e4m3_f32(uint8_t b) {
+  const uint32_t u = b, e = (u >> 3) & 15, m = u & 7, sign = (u & 0x80) << 24;
+  const float normal = bits_f32(sign | ((e + 120) << 23) | (m << 20));
+  const float sub = static_cast<float>(static_cast<int>(m)) * 0.001953125f;   // m * 2^-9
+  float v = e ? normal : (sign ? -sub : sub);
+  return (u & 0x7F) == 0x7F ? NAN : v;
+}
+
+// bf16(v) as fp32, round to nearest even (NaN stays NaN)
+inline float bf16_round(float v) {
+  const uint32_t u = f32_bits(v);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return v != v ? v : bits_f32(r);
+}
+
+// one group of source row `r`, columns [j0, j0 + G) into x (zeros past k); returns the valid count
+template <int G>
+int load_group(const void* src, int64_t kind, const float* sinv, int64_t kb, int64_t r, int64_t k, int64_t j0,
+               float* __restrict x) {
+  const int valid = static_cast<int>(std::min<int64_t>(G, k - j0));
+  if (kind == SRC_F32) {
+    std::memcpy(x, static_cast<const float*>(src) + r * k + j0, valid * sizeof(float));
+  } else if (kind == SRC_BF16) {
+    const uint16_t* p = static_cast<const uint16_t*>(src) + r * k + j0;
+    int i = 0;
+    for (; i + 8 <= valid; i += 8) {
+      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+      _mm256_storeu_ps(x + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+    for (; i < valid; ++i) x[i] = bits_f32(static_cast<uint32_t>(p[i]) << 16);
+  } else if (kind == SRC_F16) {
+    const uint16_t* p = static_cast<const uint16_t*>(src) + r * k + j0;
+    int i = 0;
+    for (; i + 8 <= valid; i += 8)
+      _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+    for (; i < valid; ++i) x[i] = _cvtsh_ss(p[i]);
+  } else {
+    const uint8_t* p = static_cast<const uint8_t*>(src) + r * k + j0;
+    if (sinv) {       // a group never straddles two 128-column blocks (128 % G == 0)
+      const float sc = sinv[(r / FP8_BLOCK) * kb + j0 / FP8_BLOCK];
+      for (int i = 0; i < valid; ++i) x[i] = bf16_round(e4m3_f32(p[i]) * sc);
+    } else {
+      for (int i = 0; i < valid; ++i) x[i] = e4m3_f32(p[i]);
+    }
+  }
+  for (int i = valid; i < G; ++i) x[i] = 0.f;
+  return valid;
+}
+
+template <int G>
+void quantize_rows(const void* src, int64_t kind, const float* sinv, int64_t n, int64_t k, const Search& sr,
+                   uint8_t* qw, uint16_t* sc, uint16_t* zr, int64_t r0, int64_t r1) {
+  const int64_t groups = (k + G - 1) / G, kb = (k + FP8_BLOCK - 1) / FP8_BLOCK;
+  alignas(64) float x[G];
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int valid = load_group<G>(src, kind, sinv, kb, r, k, g * G, x);
+      const SZ b = search_group<G>(x, valid, sr);
+      alignas(64) uint8_t q[G];
+      for (int i = 0; i < G; ++i) {
+        const float t = x[i] / b.s + b.z;
+        float c = t < 0.f ? 0.f : t;
+        c = c > Q_MAX ? Q_MAX : c;
+        q[i] = static_cast<uint8_t>(static_cast<int>((c + ROUND_MAGIC) - ROUND_MAGIC));
+      }
+      uint8_t* o = qw + (r * groups + g) * (G / 2);
+      for (int i = 0; i < G / 2; ++i) o[i] = static_cast<uint8_t>(q[i] | (q[i + G / 2] << 4));
+      sc[r * groups + g] = f16_bits(b.s);
+      zr[r * groups + g] = f16_bits(b.z);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// w [n, k] (kind: 0 fp32, 1 bf16, 2 fp16, 3 e4m3 with sinv its float [ceil(n/128), ceil(k/128)] block grid, or
+// null for none) -> qweight [n, Kp/2], scales and zeros fp16 [n, Kp/g] (Kp = k rounded up to g). search 0: plain
+// min/max ranges; else shrink [n_shrink] then end steps [n_steps] (quant/int4.py ClipSearch). Rows in parallel.
+// Returns 0, or -1 for a group size other than 32, 64, 128.
+int dsv3_int4_quantize(const void* w, int64_t kind, const float* sinv, int64_t n, int64_t k, int64_t group,
+                       int search, const float* shrink, int64_t n_shrink, const float* steps, int64_t n_steps,
+                       uint8_t* qw, uint16_t* sc, uint16_t* zr, int threads) {
+  if (group != 32 && group != 64 && group != 128) return -1;
+  const Search sr{shrink, n_shrink, steps, n_steps, search != 0};
+  constexpr int64_t RB = 4;                                // rows per work item
+  const int64_t items = (n + RB - 1) / RB;
+  const int nthreads = thread_count(threads, n * k * (search ? 8 : 1));
+  parallel_items(items, nthreads, [&](int64_t item) {
+    const int64_t r0 = item * RB, r1 = std::min(r0 + RB, n);
+    if (group == 128) quantize_rows<128>(w, kind, sinv, n, k, sr, qw, sc, zr, r0, r1);
+    else if (group == 64) quantize_rows<64>(w, kind, sinv, n, k, sr, qw, sc, zr, r0, r1);
+    else quantize_rows<32>(w, kind, sinv, n, k, sr, qw, sc, zr, r0, r1);
+  });
+  return 0;
+}
+
+}  // extern "C"
