@@ -464,11 +464,13 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(args.n_routed_experts, args.hidden_size, args.moe_intermediate_size)
         self.shared_experts = MLP(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
         self.observers = Observers()          # the model's own, shared by all its layers (Transformer sets it)
+        self.prepared = None                  # (x, gate(x)) computed ahead for this very x (offload/predictor.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids, scores = self.gate(flat)
+        pre, self.prepared = self.prepared, None
+        weights, ids, scores = pre[1] if pre is not None and pre[0] is x else self.gate(flat)
         for fn in self.observers.routing:
             fn(self.layer_id, ids, scores)
         # the shared expert first: on a GPU it is queued before the routed experts wait for copies or CPU results
@@ -520,12 +522,14 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.is_moe = args.is_moe_layer(layer_id)
         self.ffn = MoE(args, layer_id) if self.is_moe else MLP(args.hidden_size, args.intermediate_size)
+        self.prepared = None        # (h, ffn_norm(h)) computed ahead for this very h (offload/predictor.py)
 
     def attention(self, h, start, cos, sin, cache=None, absorb=False):
         return h + self.attn(self.attn_norm(h), start, cos, sin, cache, absorb)
 
     def feed_forward(self, h):
-        return h + self.ffn(self.ffn_norm(h))
+        pre, self.prepared = self.prepared, None
+        return h + self.ffn(pre[1] if pre is not None and pre[0] is h else self.ffn_norm(h))
 
     def forward(self, h, start, cos, sin, cache=None, absorb=False):
         return self.feed_forward(self.attention(h, start, cos, sin, cache, absorb))

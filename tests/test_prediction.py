@@ -59,6 +59,31 @@ def test_offloaded_mtp_layer_is_prefetched_and_next_token_predictions_are_scored
     assert list(by)[:2] == [1, 2]                                # layers ahead first, then the sources
 
 
+def test_each_layer_routes_once_the_predictor_hands_its_exact_routing_to_the_layer(mtp_dir, monkeypatch):
+    """Offloaded decode evaluates a router once per target the predictor reads (the layer's own included): the
+    MoE reuses the predictor's exact norm and gate output instead of computing them again; tokens unchanged."""
+    from dsv3lite.model import Gate
+
+    expected = [c.token_id for c in load(mtp_dir, experts="bf16", mtp=False).generate("route once", max_tokens=8)]
+    llm = load(mtp_dir, experts="bf16", mtp=False, gpu_mem=offload_budget(mtp_dir, 12, "bf16", mtp=False))
+    calls = {"scores": 0, "targets": 0}
+    scores, predict = Gate.scores, RoutePredictor.predict
+
+    def counted_scores(self, x):
+        calls["scores"] += 1
+        return scores(self, x)
+
+    def counted_predict(self, layer, h):
+        out = predict(self, layer, h)
+        calls["targets"] += len(out)
+        return out
+
+    monkeypatch.setattr(Gate, "scores", counted_scores)
+    monkeypatch.setattr(RoutePredictor, "predict", counted_predict)
+    assert [c.token_id for c in llm.generate("route once", max_tokens=8)] == expected
+    assert calls["targets"] > 0 and calls["scores"] == calls["targets"]
+
+
 def test_trace_stamps_next_token_predictions_with_the_step_they_predict(mtp_dir):
     llm = load(mtp_dir, mtp=True, mtp_adaptive=False)
     rec = TraceRecorder(llm.model, 2)

@@ -2,7 +2,9 @@
 (each with its own ffn norm, bias and group limit) to the current hidden state.
 
 The current layer's own router on its own input is exact, so `predict` also returns the experts layer l
-is about to use; the runtime reads everything to the host in one transfer per layer.
+is about to use; the runtime reads everything to the host in one transfer per layer. That norm and routing
+are computed as the layer's feed-forward computes them and handed to it (`Block.prepared`, `MoE.prepared`), so
+they run once per layer.
 
 One decode step runs the main layers and then, while MTP drafts, the MTP layer: the MTP layer follows the last
 main layer in the chain of "layers ahead" (predicted only while MTP ran in the previous step). Beyond the end of
@@ -83,6 +85,14 @@ class RoutePredictor:
         if not targets:
             return {}
         flat = h.reshape(-1, h.shape[-1])
-        ids = [b.ffn.gate.select(b.ffn.gate.scores(b.ffn_norm(flat))) for _, b in targets]
+        ids = []
+        for d, b in targets:
+            if d == 0 and b is layer:                    # exact: the layer's own norm and gate, kept for its ffn
+                normed = b.ffn_norm(h)
+                routed = b.ffn.gate(normed.reshape(flat.shape))
+                b.prepared, b.ffn.prepared = (h, normed), (normed, routed)
+                ids.append(routed[1])
+            else:
+                ids.append(b.ffn.gate.select(b.ffn.gate.scores(b.ffn_norm(flat))))
         host = torch.stack(ids).tolist()                 # the one device->host read of this layer
         return {b.layer_id: (d, rows) for (d, b), rows in zip(targets, host)}
