@@ -122,6 +122,14 @@ class OffloadRuntime:
         # misses alike), as the resident provider computes them
         self.one_call = device.type == "cpu" and not self.fused and cpu_experts.available(layout)
         self.ptr_table = torch.zeros(max(t.shape[0] for t in host.layers.values()), dtype=torch.int64)
+        # the fused kernel's expert -> slot table, one row per MoE layer: written on the host at placement (a numpy
+        # view of pinned memory), the layer's row copied to the device before its kernel (no allocation per layer)
+        self.table_row = {layer: i for i, layer in enumerate(sorted(host.layers))}
+        cuda = device.type == "cuda"
+        host_table = torch.full((len(self.table_row), self.ptr_table.shape[0]), -1, dtype=torch.int32,
+                                pin_memory=cuda)
+        self.slot_table_host, self.slot_table_np = host_table, host_table.numpy()
+        self.slot_table = host_table.to(device) if cuda else host_table
         # on a device, CPU-assigned misses of decode steps run on a worker thread (the compiled kernel's layouts)
         self.worker = CpuWorker(host, layout, options.cpu_threads) \
             if options.miss_policy != "fetch" and not self.one_call and CpuWorker.usable(layout) else None
@@ -270,12 +278,19 @@ class OffloadRuntime:
     def _fused(self, layer_id, x, ids, weights, rows, place, job: CpuJob | None) -> torch.Tensor:
         """Decode through the fused MoE kernel: resident experts read from their slots; CPU-computed misses
         enter as external outputs at their (token, k) positions, summed in the same ascending-id order."""
-        table = torch.full((self.host.layers[layer_id].shape[0],), -1, dtype=torch.int32)
-        for e, slot in place.items():
-            if slot is not None:
-                table[e] = slot
+        i = self.table_row[layer_id]
+        row = self.slot_table_np[i]
+        for e, slot in place.items():                 # the kernel reads the entries of routed experts only
+            if slot is None:
+                row[e] = -1
+            else:
+                row[e] = slot
                 self.cache.wait(slot)
-        table = table.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else table
+        table = self.slot_table[i]
+        if x.is_cuda:
+            # Safe to reuse the pinned row: the host rewrites it only at this layer's next placement, after the
+            # routing read of that step (a device sync), so this copy has run by then.
+            table.copy_(self.slot_table_host[i], non_blocking=True)
         external = None
         if job is not None:
             external = job.pairs().to(x.dtype)
