@@ -24,11 +24,13 @@ def resolve_weights(weights) -> Path:
     return checkpoint_dir(weights, "weights directory")
 
 
-def resident_experts(root: Path, args: ModelArgs, experts: str | None, device: torch.device, log):
+def resident_experts(root: Path, args: ModelArgs, experts: str | None, device: torch.device, log,
+                     cpu_mem: int | None = None):
     """The Loader's expert provider when nothing is offloaded: packed blobs on `device` (a quantized dir's mapped
     blobs, or an HF dir's experts quantized at load), or None to keep an HF dir's dense experts. On CPU, a model
     past the tiny-model size (generate.decode_threads' rule) gets blobs in the checkpoint's own precision (bf16,
-    or fp8 for an FP8 checkpoint) for the CPU expert kernel, where it runs, instead of dense fp32 experts."""
+    or fp8 for an FP8 checkpoint) for the CPU expert kernel, where it runs, instead of dense fp32 experts.
+    cpu_mem (--cpu-mem, bytes, CPU): bounds the mapped blobs' resident pages; blobs packed in memory must fit it."""
     from .experts import BlobExperts, expert_source
     from .footprint import footprint
     from .generate import SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
@@ -38,14 +40,41 @@ def resident_experts(root: Path, args: ModelArgs, experts: str | None, device: t
     kernel = device.type == "cpu" and experts is None and large and cpu_build.library() is not None
     source = expert_source(root, args, experts, blobs_required=kernel)
     if source is None:
+        if cpu_mem is not None:
+            log("note: --cpu-mem bounds packed expert blobs; this run keeps the checkpoint's dense experts")
         return None
+    if not (kernel and not source.mapped):
+        source = source.cached(log)               # --experts on an HF checkpoint: its expert cache on disk
+    cap = resident_cap(source, args, device, cpu_mem, log)
     if kernel and not source.mapped:
         log(f"routed experts as {source.fmt.name} blobs for the CPU expert kernel (--experts int4 | fp8 to quantize)")
-        return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout)
-    source = source.cached(log)                   # --experts on an HF checkpoint: its expert cache on disk
-    if not source.mapped:
+    elif not source.mapped:
         log(f"quantizing routed experts to {source.fmt.name} at load")
-    return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout)
+    return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout, cap)
+
+
+def resident_cap(source, args: ModelArgs, device: torch.device, cpu_mem: int | None, log):
+    """--cpu-mem for resident experts: on CPU a ResidentCap over mapped blobs (None without a cap); blobs packed
+    in memory that exceed it are a one-line error; on a GPU the blobs live on the device and the cap has no use."""
+    if cpu_mem is None:
+        return None
+    if device.type != "cpu":
+        log("note: --cpu-mem caps host memory for offloaded experts; nothing is offloaded in this run")
+        return None
+    total = len(args.moe_layer_ids) * args.n_routed_experts * source.layout.blob_bytes
+    if not source.mapped:
+        if total > cpu_mem:
+            from .expert_cache_dir import ENV
+
+            raise UserError(f"--cpu-mem {format_bytes(cpu_mem)} is below the {format_bytes(total)} of "
+                            f"{source.fmt.name} expert blobs this run packs in memory: let the expert cache serve "
+                            f"them from disk (drop {ENV}=off, or free disk room for it) or raise --cpu-mem")
+        return None
+    from .offload.host_memory import ResidentCap
+
+    log(f"routed experts: {format_bytes(total)} of {source.fmt.name} blobs, mmap; --cpu-mem {format_bytes(cpu_mem)} "
+        f"bounds their resident pages (the least recently used are dropped)")
+    return ResidentCap(cpu_mem, source.layout.blob_bytes)
 
 
 def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.device, budget: int, ctx_size: int,
@@ -125,7 +154,8 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
             dense = choose_dense(root, args, dense, dev, resolve_budget(gpu_mem, dev), ctx_size, experts, mtp, dt, log)
         offload = build_offload(root, args, experts, gpu_mem, ctx_size, dev, dt, mtp, offload_options, log=log,
                                 dense=dense)
-    provider = offload.provider if offload is not None else resident_experts(root, args, experts, dev, log)
+    provider = offload.provider if offload is not None else \
+        resident_experts(root, args, experts, dev, log, offload_options.cpu_mem_bytes)
     model = Loader(root, dev, dt, progress=progress, log=log, dense=dense).load(args, expert_provider=provider, mtp=mtp)
     packed = sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
     if offload is not None:

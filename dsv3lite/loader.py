@@ -106,9 +106,8 @@ class Loader:
     def _load_shard(self, model, args, reader, shard, names, expected, filled, experts_seen, ignored):
         from tqdm import tqdm
 
-        bar = tqdm(names, desc=f"loading {shard.name}", unit="tensor", file=sys.stderr,
-                   disable=not self.progress or None, leave=False)
-        for name in bar:
+        wanted = []
+        for name in names:
             if name.endswith("_scale_inv"):
                 continue
             target = map_name(name, args)
@@ -116,7 +115,14 @@ class Loader:
                     self.skip_mtp and target.name.startswith("mtp.")):
                 ignored.append(name)
                 continue
-            weight, scale = reader.weight(name)
+            wanted.append((name, target))
+        targets = dict(wanted)
+        bar = tqdm(total=len(wanted), desc=f"loading {shard.name}", unit="tensor", file=sys.stderr,
+                   disable=not self.progress or None, leave=False)
+        # the next tensors are read while this one is dequantized, packed and placed
+        for name, weight, scale in reader.weights(targets):
+            bar.update()
+            target = targets[name]
             if self.dense is not None and target.expert is None and packable(model, target.name):
                 self._place_packed(model, args, name, shard, target, weight, scale, expected, filled)
                 continue
@@ -126,6 +132,7 @@ class Loader:
             else:
                 tensor = weight
             self._place(model, args, name, shard, target, tensor, expected, filled, experts_seen)
+        bar.close()
 
     @staticmethod
     def _checked_shape(args, name, shard, target, tensor, expected) -> tuple[int, ...]:

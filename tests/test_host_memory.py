@@ -282,3 +282,31 @@ def test_cpu_mem_on_the_cpu_bounds_the_mapped_experts_and_tokens_do_not_change(t
     cap = llm.offload.host.resident_cap
     assert cap.dropped > 0 and cap.resident <= 6 * blob
     assert any("bounds their resident pages" in line for line in lines)
+
+
+def test_cpu_mem_bounds_resident_experts_on_the_cpu(tmp_path, monkeypatch):
+    """Nothing offloaded, CPU: the resident experts' mapped blobs stay within --cpu-mem; tokens unchanged; blobs
+    packed in memory beyond the cap are a one-line error."""
+    import dsv3lite
+    from dsv3lite import expert_cache_dir
+    from dsv3lite.config import ModelArgs
+    from dsv3lite.experts import expert_source
+    from dsv3lite.testing import write_checkpoint
+
+    monkeypatch.setenv(expert_cache_dir.ENV, str(tmp_path / "cache"))
+    path = write_checkpoint(tmp_path / "m", "v3")
+    kw = dict(device="cpu", experts="int4", ctx_size=128, mtp=False, progress=False, log=lambda m: None)
+    plain = dsv3lite.load(path, **kw)
+    plain.stop_ids = set()
+    expected = [c.token_id for c in plain.generate("bounded", max_tokens=10)]
+    blob = expert_source(path, ModelArgs.from_dir(path), "int4", True).layout.blob_bytes
+    capped = dsv3lite.load(path, cpu_mem=5 * blob, **kw)
+    capped.stop_ids = set()
+    assert [c.token_id for c in capped.generate("bounded", max_tokens=10)] == expected
+    caps = {m.resident_cap for m in capped.model.modules() if getattr(m, "resident_cap", None) is not None}
+    assert len(caps) == 1
+    cap = caps.pop()
+    assert cap.dropped > 0 and cap.resident <= 5 * blob
+    monkeypatch.setenv(expert_cache_dir.ENV, "off")
+    with pytest.raises(UserError, match="--cpu-mem .* is below the .* of int4 expert blobs this run packs in memory"):
+        dsv3lite.load(path, cpu_mem=5 * blob, **kw)
