@@ -112,8 +112,10 @@ def engine_options(temp: float = 0.0, top_p: float = 1.0):
         click.option("--experts", type=click.Choice(FORMATS), default=None,
                      help="Quantize an HF checkpoint's routed experts to this format at load."),
         click.option("--dense", type=click.Choice(DENSE_DTYPES), default=None,
-                     help="CPU: pack the non-expert weights (attention, dense MLPs, shared experts, lm_head) to this "
-                          "dtype at load, computed by the CPU kernels."),
+                     help="Pack the non-expert weights (attention, dense MLPs, shared experts, lm_head) to this "
+                          "dtype as they load: on CPU computed by the CPU kernels, on a GPU by the W8A16 / W4A16 "
+                          "kernels (fp8 | int4 | bf16). A CUDA run of an FP8 checkpoint picks fp8 when its budget "
+                          "needs it."),
         click.option("--num-draft-tokens", type=click.IntRange(1, 3), default=1, show_default=True,
                      help="MTP draft tokens per step."),
         click.option("--lookahead", type=click.IntRange(0, 8), default=OFFLOAD_DEFAULTS.lookahead, show_default=True,
@@ -507,11 +509,11 @@ def cache_cmd(clear):
               help="Compute dtype of the resident weights.  [default: bfloat16 on CUDA, float32 on CPU, as a run]")
 @click.option("--mtp/--no-mtp", default=True, show_default=True)
 @click.option("--dense", type=click.Choice(DENSE_DTYPES), default=None,
-              help="Non-expert weights packed to this dtype (CPU runs), as a run with --dense.")
+              help="Non-expert weights packed to this dtype, as a run with --dense.")
 def plan(weights, gpu_mem, ctx_size, experts, device, dtype, mtp, dense):
     """Print what --gpu-mem buys (resident components, expert slots) from shapes alone, reading no weights: the
     plan `chat`/`generate`/`serve` make with the same flags."""
-    from .builder import DEFAULT_CTX_SIZE, resolve_weights
+    from .builder import DEFAULT_CTX_SIZE, choose_dense, resolve_weights
     from .config import ModelArgs
     from .dense import check_dense
     from .offload.setup import plan_for, resolve_budget
@@ -524,6 +526,7 @@ def plan(weights, gpu_mem, ctx_size, experts, device, dtype, mtp, dense):
     ctx_size = min(ctx_size or DEFAULT_CTX_SIZE, args.max_position_embeddings)
     budget = resolve_budget(gpu_mem, dev)
     check_dense(dense, dev)
+    dense = choose_dense(root, args, dense, dev, budget, ctx_size, experts, mtp, dt, click.echo)   # as a run would
     p, *_ = plan_for(root, args, budget, ctx_size, experts, mtp, dt, dense)
     click.echo(f"plan for {root} on {dev.type} ({str(dt).replace('torch.', '')}"
                f"{f', --dense {dense}' if dense else ''}) with --gpu-mem "
