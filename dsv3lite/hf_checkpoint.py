@@ -322,13 +322,15 @@ class TensorReader:
         check_fp8_scale(name, w.shape, s.shape)
         return w, s.float()
 
-    def weights(self, names, ahead_bytes: int = READ_AHEAD_BYTES):
+    def weights(self, names, ahead_bytes: int | None = None):
         """(name, weight, scale) of each of `names` in order, as `weight` gives them, read by a background thread
-        up to `ahead_bytes` ahead of the caller (reads overlap what the caller does with each tensor: dequantize,
-        pack, place). Errors surface at the tensor they belong to; leaving the loop early stops the reads."""
+        up to `ahead_bytes` (default READ_AHEAD_BYTES; 0: one tensor at a time) ahead of the caller (reads overlap
+        what the caller does with each tensor: dequantize, pack, place). Errors surface at the tensor they belong
+        to; leaving the loop early stops the reads."""
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
+        ahead_bytes = READ_AHEAD_BYTES if ahead_bytes is None else ahead_bytes
         names = list(names)
         pending: deque = deque()
         queued = 0
