@@ -11,7 +11,9 @@ in 4 shards. Each row runs `quantize_checkpoint` in a fresh child process and re
   pipeline    the experts phase (read, quantize on --workers threads, write, fsync per layer) / experts
   arithmetic  the same experts quantized from memory by the same threads (no reads, no writes) / experts
   overhead    pipeline / arithmetic - 1
-plus the dense phase and the peak RSS (of the quantize). The source was just written, so reads come from the page
+each also as CPU seconds (the process's, all threads: the figures least disturbed by other jobs on the machine),
+plus the dense phase and the peak RSS (of the quantize), and which int4 quantizer ran (the compiled kernel or the
+twin; DSV3LITE_CPU_KERNELS=ref forces the twin). The source was just written, so reads come from the page
 cache. With --repeat N each figure is the least of N runs (pipeline and arithmetic minimised separately).
 `--search-table` times the int4 quantizer on one real-width gate matrix (2048x7168) with each clip-search
 candidate set and gives its squared reconstruction error relative to the exhaustive 23-candidate search, on
@@ -74,9 +76,9 @@ def child(src: str, dst: str, fmt: str, fast: bool, workers: int, device: str) -
 
     def timed(name, fn):
         def run(*a, **kw):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn(*a, **kw)
-            phase[name] = time.perf_counter() - t0
+            phase[name], phase[name + "_cpu"] = time.perf_counter() - t0, time.process_time() - c0
         return run
 
     ck._write_dense, ck._write_experts = timed("dense", ck._write_dense), timed("experts", ck._write_experts)
@@ -93,13 +95,21 @@ def child(src: str, dst: str, fmt: str, fast: bool, workers: int, device: str) -
     with TensorReader(plan.index) as reader:
         memory = _MemoryReader(reader, [expert_tensor_name(layer, e, p) for layer, e in jobs for p in PROJECTIONS])
     with ck._one_torch_thread_each(n_workers, dev):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in ck.pack_experts(memory, jobs, plan.fmt, plan.layout, dev, n_workers):
             pass
-        arithmetic = time.perf_counter() - t0
+        arithmetic, arithmetic_cpu = time.perf_counter() - t0, time.process_time() - c0
     print(json.dumps({"experts": len(jobs), "total": total, "dense": phase["dense"], "pipeline": phase["experts"],
-                      "arithmetic": arithmetic, "workers": n_workers, "device": dev.type,
-                      "peak_rss": peak_rss, "base_rss": base_rss}))
+                      "arithmetic": arithmetic, "pipeline_cpu": phase["experts_cpu"], "arithmetic_cpu": arithmetic_cpu,
+                      "workers": n_workers, "device": dev.type, "peak_rss": peak_rss, "base_rss": base_rss,
+                      "int4_kernel": int4_kernel_status()}))
+
+
+def int4_kernel_status() -> str:
+    """Which int4 quantizer runs on the CPU: the compiled kernel (kernels/csrc/cpu_kernels.cpp) or the twin."""
+    from dsv3lite.kernels import cpu_build
+
+    return "kernel" if cpu_build.library() is not None else "twin"
 
 
 def search_table() -> str:
@@ -189,16 +199,19 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"{head}, {os.getloadavg()[0]:.1f} at the end; {a.experts} experts of 2048x7168\n")
-    print("| source | experts | --fast | workers, device | pipeline s/expert | arithmetic s/expert | overhead "
-          "| dense phase s | total s | peak RSS GiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("| source | experts | --fast | workers, device, int4 | pipeline s/expert | arithmetic s/expert | overhead "
+          "| pipeline CPU s/expert | arithmetic CPU s/expert | CPU overhead | dense phase s | total s "
+          "| peak RSS GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(row_text(row, r) for row, r in rows))
 
 
 def row_text(row: str, r: dict) -> str:
     source, fmt, *flag = row.split(":")
     n = r["experts"]
-    return (f"| {source} | {fmt} | {'yes' if flag else ''} | {r['workers']}, {r['device']} "
+    return (f"| {source} | {fmt} | {'yes' if flag else ''} | {r['workers']}, {r['device']}, {r['int4_kernel']} "
             f"| {r['pipeline'] / n:.3f} | {r['arithmetic'] / n:.3f} | {r['pipeline'] / r['arithmetic'] - 1:+.0%} "
+            f"| {r['pipeline_cpu'] / n:.3f} | {r['arithmetic_cpu'] / n:.3f} "
+            f"| {r['pipeline_cpu'] / r['arithmetic_cpu'] - 1:+.0%} "
             f"| {r['dense']:.1f} | {r['total']:.1f} | {r['peak_rss'] / 2**30:.2f} |")
 
 

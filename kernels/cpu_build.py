@@ -97,7 +97,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_fp8_dequant.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int]
     lib.dsv3_int4_quantize.restype = _c_int
     lib.dsv3_int4_quantize.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_i64, _c_i64, _c_i64, _c_int, _c_ptr, _c_i64,
-                                       _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_int]
+                                       _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_int]
     return lib
 
 

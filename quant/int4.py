@@ -136,6 +136,7 @@ def _chunk_rows(n: int, kp: int, device: torch.device) -> int:
 
 
 _SRC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}  # the kernel's sources
+KERNEL_ISA = 0   # the kernel's code: 0 AVX-512 where the CPU has it, 1 AVX2 only (the same bits; for tests)
 
 
 def _search_of(clip_search: bool | ClipSearch) -> ClipSearch | None:
@@ -174,7 +175,7 @@ def _int4_quantize_kernel(lib, w, group_size, search, scale_inv, out=None):
     rc = lib.dsv3_int4_quantize(wc.data_ptr(), _SRC_KINDS[w.dtype], None if sc is None else sc.data_ptr(), n, k, g,
                                 int(search is not None), shrink.data_ptr(), shrink.numel(), steps.data_ptr(),
                                 steps.numel(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
-                                torch.get_num_threads())
+                                torch.get_num_threads(), KERNEL_ISA)
     if rc != 0:
         raise RuntimeError(f"dsv3_int4_quantize failed ({rc})")
     return qweight, scales, zeros

@@ -80,7 +80,8 @@ def test_kernel_equals_twin_for_any_clip_search(search):
 @pytest.mark.parametrize("group", GROUP_SIZES)
 def test_kernel_equals_twin_on_edge_groups(group):
     """Zero groups, constant groups, one sign only, signed zeros, ranges below fp16's smallest scale, values on
-    the code grid (candidates tie at zero error), huge values."""
+    the code grid (candidates tie at zero error), huge values, ranges whose scale overflows fp16 (inf scale, NaN
+    or inf errors: torch's argmin takes the first NaN, and so does the kernel)."""
     k = 6 * group + 5
     w = _weights((16, k), seed=5)
     w[0] = 0.0
@@ -94,6 +95,10 @@ def test_kernel_equals_twin_on_edge_groups(group):
     w[8, ::3] = -0.0
     w[8] = w[8].abs() * torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
     w[9, : group // 2] = 1e-30
+    w[10] = torch.randn(k) * 1e6                                        # ranges past fp16: inf scales, NaN errors
+    w[11, ::2] = 3e5
+    spread = torch.randperm(k, generator=torch.Generator().manual_seed(1))
+    w[12] = torch.linspace(-5.5e5, 5.5e5, k)[spread]                   # inf scale for min/max, finite shrunk
     for search in (True, False, EXHAUSTIVE):
         _assert_same(int4_quantize(w, group, search), int4_quantize_ref(w, group, search), f"search {search}")
 
@@ -172,3 +177,36 @@ def test_bad_scale_grid_is_an_error():
     q, s = fp8_block_quantize(_weights((130, 256), seed=1))
     with pytest.raises(ValueError, match="scale grid"):
         int4_quantize(q, 128, scale_inv=s[:1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", GROUP_SIZES)
+def test_avx2_and_avx512_code_give_the_same_bits(group, monkeypatch):
+    """The kernel is compiled for AVX2 and, where the CPU has it, AVX-512 (the one used here when present): the
+    same source, elementwise IEEE operations and written-out sums, so the same bits (on an AVX2-only CPU both
+    runs take the AVX2 code)."""
+    q, s = fp8_block_quantize(_weights((130, 7 * 128 + 40), seed=group))
+    w = _weights((70, 500), seed=group + 1).to(torch.bfloat16)
+    want = [int4_quantize(q, group, True, scale_inv=s), int4_quantize(w, group, True), int4_quantize(w, group, False)]
+    monkeypatch.setattr(int4_mod, "KERNEL_ISA", 1)
+    got = [int4_quantize(q, group, True, scale_inv=s), int4_quantize(w, group, True), int4_quantize(w, group, False)]
+    for a, b in zip(got, want):
+        _assert_same(a, b, f"AVX2 vs best, group {group}")
+
+
+def test_division_by_an_fp16_scale_via_double_is_exact():
+    """The kernel computes w / s (s an fp16 value) as float(double(w) * (1 / double(s))), with no float division:
+    equal to float32 division for every positive finite fp16 s, against random w and w made to put w / s as
+    close to a rounding midpoint as it can be (kernels/csrc/cpu_kernels.cpp quot() has the argument)."""
+    s = torch.arange(1, 0x7C00, dtype=torch.int16).view(torch.float16).float()[:, None]   # every positive finite
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        m = torch.rand(1, 160, generator=gen) + 0.5
+        e = torch.randint(-30, 30, (1, 160), generator=gen).float()
+        w = m * torch.exp2(e)                                          # random, quotients in float's normal range
+        mids = (torch.nextafter(w, torch.tensor(float("inf"))).double() + w.double()) / 2   # midpoints between floats
+        near = (s.double() * mids).float()                             # w / s as near a midpoint as floats allow
+        for x in (w.expand(s.shape[0], -1), near, -near):
+            want = x / s
+            got = (x.double() * (1.0 / s.double())).float()
+            assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} differ"

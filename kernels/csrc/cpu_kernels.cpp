@@ -149,7 +149,7 @@ void prepare(const float* x, const ActSize& s, uint8_t* base) {
 }
 
 // ---- horizontal sums ---------------------------------------------------------------------------------------
-inline float hsum(__m256 v) {
+__attribute__((always_inline)) inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -654,15 +654,17 @@ constexpr float Q_MAX = 15.0f;
 constexpr float F16_TINY = 5.9604644775390625e-08f;   // 2^-24
 constexpr float ROUND_MAGIC = 8388608.0f;               // 2^23: (c + 2^23) - 2^23 rounds 0 <= c < 2^22 half-even
 
-inline float f16_round(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
-inline uint16_t f16_bits(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+#define Q_INLINE inline __attribute__((always_inline))
 
-inline float bits_f32(uint32_t u) {
+Q_INLINE float f16_round(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
+Q_INLINE uint16_t f16_bits(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+
+Q_INLINE float bits_f32(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
-inline uint32_t f32_bits(float f) {
+Q_INLINE uint32_t f32_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
@@ -673,7 +675,7 @@ struct SZ {
 };
 
 // quant/int4.py _scale_zero for one candidate range (torch's clamp keeps NaN: so do these comparisons)
-inline SZ scale_zero(float lo, float hi) {
+Q_INLINE SZ scale_zero(float lo, float hi) {
   lo = lo > 0.f ? 0.f : lo;
   hi = hi < 0.f ? 0.f : hi;
   float d = (hi - lo) / Q_MAX;
@@ -682,22 +684,59 @@ inline SZ scale_zero(float lo, float hi) {
   return {s, f16_round((0.f - lo) / s)};
 }
 
-// squared error of (s, z) on a group x [G] whose first `valid` elements are real
-template <int G>
-inline float group_error(const float* __restrict x, int valid, float s, float z) {
-  alignas(64) float e[G];
-  for (int i = 0; i < G; ++i) {
-    const float t = x[i] / s + z;
-    float c = t < 0.f ? 0.f : t;
-    c = c > Q_MAX ? Q_MAX : c;
-    const float d = ((c + ROUND_MAGIC) - ROUND_MAGIC) - t;
-    e[i] = d * d;
+// w / s for a float w and an fp16 value s, as float32 division rounds it, without a float division:
+// float(double(w) * (1 / double(s))). The double product is within 2^-52 (relative) of w / s, and w / s is never
+// within 2^-36 of a midpoint between two floats: were w / s such a midpoint (a 25-bit odd significand) times an
+// 11-bit s, w would need 25 bits; and w - s * mid, when not 0, is at least the grid of both, which is 2^-36 of
+// them (24 + 11 + 1 bits). So both round to the same float. (A result below float's normal range can differ by
+// its last subnormal bit; there w / s + z is z, or with z = 0 the code is 0 and the squared error underflows to
+// 0, either way.) tests/test_int4_kernel.py checks the identity on every fp16 s against many w.
+Q_INLINE float quot(double w, double inv_s) { return static_cast<float>(w * inv_s); }
+
+// the code of w before rounding, t = w / s + z, and its squared rounding error (round(clamp(t, 0, 15)) - t)^2
+Q_INLINE float sq_error(double w, double inv_s, float z) {
+  const float t = quot(w, inv_s) + z;
+  float c = t < 0.f ? 0.f : t;
+  c = c > Q_MAX ? Q_MAX : c;
+  const float d = ((c + ROUND_MAGIC) - ROUND_MAGIC) - t;
+  return d * d;
+}
+
+// squared error of (s, z) on a group x [G] (as doubles) whose first `valid` elements are real (PAD: some are
+// not), summed by halves: while the width w > 1, element i + w/2 onto element i. Done as: for each of E lanes
+// (E = 16, or 8 for g = 32) the J = G/E elements i + j * E together in registers (j + J/2 onto j, .., j + 1), then
+// lane i + 8 onto lane i where E = 16, then hsum's halvings of the last 8 (4, 2, 1): the same additions.
+template <int G, bool PAD>
+Q_INLINE float group_error(const double* __restrict x, int valid, float s, float z) {
+  constexpr int E = G >= 64 ? 16 : 8, J = G / E;
+  const double inv_s = 1.0 / static_cast<double>(s);
+  alignas(64) float e[E];
+  static_assert(J == 4 || J == 8, "group sizes 32, 64, 128");
+  for (int i = 0; i < E; ++i) {
+    float q[J];
+    for (int j = 0; j < J; ++j) {
+      const float v = sq_error(x[i + j * E], inv_s, z);
+      q[j] = PAD && i + j * E >= valid ? 0.f : v;
+    }
+    if constexpr (J == 8) {                  // written out: loops here would keep the compiler from vectorizing
+      const float a0 = q[0] + q[4], a1 = q[1] + q[5], a2 = q[2] + q[6], a3 = q[3] + q[7];
+      e[i] = (a0 + a2) + (a1 + a3);
+    } else {
+      e[i] = (q[0] + q[2]) + (q[1] + q[3]);
+    }
   }
-  for (int i = valid; i < G; ++i) e[i] = 0.f;
-#pragma GCC unroll 8
-  for (int h = G / 2; h > 0; h /= 2)
-    for (int i = 0; i < h; ++i) e[i] = e[i] + e[i + h];
-  return e[0] * (s * s);
+  __m256 v = _mm256_load_ps(e);
+  if constexpr (E == 16) v = _mm256_add_ps(v, _mm256_load_ps(e + 8));
+  return hsum(v) * (s * s);
+}
+
+// errors of n candidates
+template <int G>
+Q_INLINE void candidate_errors(const double* x, int valid, const float* s, const float* z, int n, float* err) {
+  if (valid == G)
+    for (int i = 0; i < n; ++i) err[i] = group_error<G, false>(x, valid, s[i], z[i]);
+  else
+    for (int i = 0; i < n; ++i) err[i] = group_error<G, true>(x, valid, s[i], z[i]);
 }
 
 struct Search {
@@ -708,13 +747,41 @@ struct Search {
   bool on;
 };
 
-inline float clamp_ratio(float r) {
+Q_INLINE float clamp_ratio(float r) {
   r = r < 0.3f ? 0.3f : r;           // quant/int4.py MIN_RATIO, as float32
   return r > 1.0f ? 1.0f : r;
 }
 
+constexpr int MAX_CANDIDATES = 64;        // per stage (quant/int4.py ClipSearch: 1 + shrink, or end steps)
+
+struct Incumbent {
+  SZ sz;
+  float err, r_lo, r_hi;
+};
+
+// torch's argmin order: NaN below everything (the first NaN wins), else the first of equal values
+Q_INLINE bool beats(float err, float incumbent) {
+  return err != err ? incumbent == incumbent : err < incumbent;
+}
+
+// one stage: n candidate ranges (lo * r_lo[i], hi * r_hi[i]), all made before any is tried, then taken in order
+// where one is below the incumbent's error (the first of equal errors wins, as in the twin's argmin)
 template <int G>
-SZ search_group(const float* x, int valid, const Search& sr) {
+Q_INLINE void stage(Incumbent& b, const double* xd, int valid, float lo, float hi, const float* r_lo,
+                    const float* r_hi, int n) {
+  float s[MAX_CANDIDATES], z[MAX_CANDIDATES], err[MAX_CANDIDATES];
+  for (int i = 0; i < n; ++i) {
+    const SZ c = scale_zero(lo * r_lo[i], hi * r_hi[i]);
+    s[i] = c.s;
+    z[i] = c.z;
+  }
+  candidate_errors<G>(xd, valid, s, z, n, err);
+  for (int i = 0; i < n; ++i)
+    if (beats(err[i], b.err)) b = {{s[i], z[i]}, err[i], r_lo[i], r_hi[i]};
+}
+
+template <int G>
+Q_INLINE SZ search_group(const float* x, const double* xd, int valid, const Search& sr) {
   // min and max per lane, then across lanes (exact in any order; a zero's sign never matters: see scale_zero)
   __m256 vlo = _mm256_loadu_ps(x), vhi = vlo, vnan = _mm256_cmp_ps(vlo, vlo, _CMP_UNORD_Q);
   for (int i = 8; i < G; i += 8) {
@@ -733,34 +800,31 @@ SZ search_group(const float* x, int valid, const Search& sr) {
   }
   const bool nan = _mm256_movemask_ps(vnan) != 0;
   if (nan) lo = hi = NAN;              // torch's amin/amax propagate NaN
-  SZ best = scale_zero(lo, hi);
-  if (!sr.on) return best;
-  float best_err = group_error<G>(x, valid, best.s, best.z);
-  float best_lo = 1.f, best_hi = 1.f;
-  // one candidate against the incumbent; the same (s, z) gives the same error: not evaluated again
-  auto trial = [&](float r_lo, float r_hi) {
-    const SZ c = scale_zero(lo * r_lo, hi * r_hi);
-    if (f32_bits(c.s) == f32_bits(best.s) && f32_bits(c.z) == f32_bits(best.z)) return;
-    const float err = group_error<G>(x, valid, c.s, c.z);
-    if (err < best_err) {
-      best_err = err;
-      best = c;
-      best_lo = r_lo;
-      best_hi = r_hi;
-    }
-  };
+  if (!sr.on) return scale_zero(lo, hi);
+  // the min/max range and the shrunk ones in one stage: the error of the first is the incumbent's
+  float r_lo[MAX_CANDIDATES], r_hi[MAX_CANDIDATES];
+  const int n1 = static_cast<int>(1 + sr.n_shrink), n2 = static_cast<int>(sr.n_steps);
+  r_lo[0] = r_hi[0] = 1.f;
+  for (int i = 1; i < n1; ++i) r_lo[i] = r_hi[i] = sr.shrink[i - 1];
+  Incumbent b{{0.f, 0.f}, INFINITY, 1.f, 1.f};      // beaten by the first candidate unless its error is +inf
+  stage<G>(b, xd, valid, lo, hi, r_lo, r_hi, n1);
+  if (b.err == INFINITY) b.sz = scale_zero(lo, hi);    // every error +inf: the min/max range (the twin's first)
   // each stage's candidates are made from the incumbent as the stage starts (as the twin batches them)
-  for (int64_t i = 0; i < sr.n_shrink; ++i) trial(sr.shrink[i], sr.shrink[i]);
-  float base_lo = best_lo, base_hi = best_hi;
-  for (int64_t i = 0; i < sr.n_steps; ++i) trial(clamp_ratio(base_lo + sr.steps[i]), base_hi);
-  base_lo = best_lo;
-  base_hi = best_hi;
-  for (int64_t i = 0; i < sr.n_steps; ++i) trial(base_lo, clamp_ratio(base_hi + sr.steps[i]));
-  return best;
+  for (int i = 0; i < n2; ++i) {
+    r_lo[i] = clamp_ratio(b.r_lo + sr.steps[i]);
+    r_hi[i] = b.r_hi;
+  }
+  stage<G>(b, xd, valid, lo, hi, r_lo, r_hi, n2);
+  for (int i = 0; i < n2; ++i) {
+    r_lo[i] = b.r_lo;
+    r_hi[i] = clamp_ratio(b.r_hi + sr.steps[i]);
+  }
+  stage<G>(b, xd, valid, lo, hi, r_lo, r_hi, n2);
+  return b.sz;
 }
 
 // e4m3 code -> fp32 (NaN codes 0x7f, 0xff to NaN), by integer operations the compiler vectorizes
-inline float e4m3_f32(uint8_t b) {
+Q_INLINE float e4m3_f32(uint8_t b) {
   const uint32_t u = b, e = (u >> 3) & 15, m = u & 7, sign = (u & 0x80) << 24;
   const float normal = bits_f32(sign | ((e + 120) << 23) | (m << 20));
   const float sub = static_cast<float>(static_cast<int>(m)) * 0.001953125f;   // m * 2^-9
@@ -769,7 +833,7 @@ inline float e4m3_f32(uint8_t b) {
 }
 
 // bf16(v) as fp32, round to nearest even (NaN stays NaN)
-inline float bf16_round(float v) {
+Q_INLINE float bf16_round(float v) {
   const uint32_t u = f32_bits(v);
   const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
   return v != v ? v : bits_f32(r);
@@ -777,7 +841,7 @@ inline float bf16_round(float v) {
 
 // one group of source row `r`, columns [j0, j0 + G) into x (zeros past k); returns the valid count
 template <int G>
-int load_group(const void* src, int64_t kind, const float* sinv, int64_t kb, int64_t r, int64_t k, int64_t j0,
+Q_INLINE int load_group(const void* src, int64_t kind, const float* sinv, int64_t kb, int64_t r, int64_t k, int64_t j0,
                float* __restrict x) {
   const int valid = static_cast<int>(std::min<int64_t>(G, k - j0));
   if (kind == SRC_F32) {
@@ -809,28 +873,62 @@ int load_group(const void* src, int64_t kind, const float* sinv, int64_t kb, int
   return valid;
 }
 
+// round(clamp(w / s + z, 0, 15)) (NaN: 0)
+Q_INLINE int code(double w, double inv_s, float z) {
+  const float t = quot(w, inv_s) + z;
+  float c = t < 0.f ? 0.f : t;
+  c = c > Q_MAX ? Q_MAX : c;
+  return static_cast<int>((c + ROUND_MAGIC) - ROUND_MAGIC) & 15;
+}
+
 template <int G>
-void quantize_rows(const void* src, int64_t kind, const float* sinv, int64_t n, int64_t k, const Search& sr,
+Q_INLINE void quantize_rows(const void* src, int64_t kind, const float* sinv, int64_t n, int64_t k, const Search& sr,
                    uint8_t* qw, uint16_t* sc, uint16_t* zr, int64_t r0, int64_t r1) {
   const int64_t groups = (k + G - 1) / G, kb = (k + FP8_BLOCK - 1) / FP8_BLOCK;
   alignas(64) float x[G];
+  alignas(64) double xd[G];
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const int valid = load_group<G>(src, kind, sinv, kb, r, k, g * G, x);
-      const SZ b = search_group<G>(x, valid, sr);
-      alignas(64) uint8_t q[G];
-      for (int i = 0; i < G; ++i) {
-        const float t = x[i] / b.s + b.z;
-        float c = t < 0.f ? 0.f : t;
-        c = c > Q_MAX ? Q_MAX : c;
-        q[i] = static_cast<uint8_t>(static_cast<int>((c + ROUND_MAGIC) - ROUND_MAGIC));
-      }
+      for (int i = 0; i < G; ++i) xd[i] = x[i];
+      const SZ b = search_group<G>(x, xd, valid, sr);
+      const double inv_s = 1.0 / static_cast<double>(b.s);
       uint8_t* o = qw + (r * groups + g) * (G / 2);
-      for (int i = 0; i < G / 2; ++i) o[i] = static_cast<uint8_t>(q[i] | (q[i + G / 2] << 4));
+      for (int i = 0; i < G / 2; ++i)     // byte i: element i's code in the low nibble, i + G/2's in the high one
+        o[i] = static_cast<uint8_t>(code(xd[i], inv_s, b.z) | (code(xd[i + G / 2], inv_s, b.z) << 4));
       sc[r * groups + g] = f16_bits(b.s);
       zr[r * groups + g] = f16_bits(b.z);
     }
   }
+}
+
+struct QArgs {
+  const void* src;
+  int64_t kind;
+  const float* sinv;
+  int64_t n, k, group;
+  Search sr;
+  uint8_t* qw;
+  uint16_t* sc;
+  uint16_t* zr;
+};
+
+// the same source compiled twice: for AVX2 (the library's flags) and, where the CPU has it, AVX-512. Every
+// operation is an elementwise IEEE one or the written sum by halves, so both give the same bits (tested).
+#define Q_ROWS_BODY                                                                              \
+  if (a.group == 128) quantize_rows<128>(a.src, a.kind, a.sinv, a.n, a.k, a.sr, a.qw, a.sc, a.zr, r0, r1); \
+  else if (a.group == 64) quantize_rows<64>(a.src, a.kind, a.sinv, a.n, a.k, a.sr, a.qw, a.sc, a.zr, r0, r1); \
+  else quantize_rows<32>(a.src, a.kind, a.sinv, a.n, a.k, a.sr, a.qw, a.sc, a.zr, r0, r1);
+
+void q_rows_avx2(const QArgs& a, int64_t r0, int64_t r1) { Q_ROWS_BODY }
+
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512")))
+void q_rows_avx512(const QArgs& a, int64_t r0, int64_t r1) { Q_ROWS_BODY }
+
+bool have_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return yes;
 }
 
 }  // namespace
@@ -840,20 +938,21 @@ extern "C" {
 // w [n, k] (kind: 0 fp32, 1 bf16, 2 fp16, 3 e4m3 with sinv its float [ceil(n/128), ceil(k/128)] block grid, or
 // null for none) -> qweight [n, Kp/2], scales and zeros fp16 [n, Kp/g] (Kp = k rounded up to g). search 0: plain
 // min/max ranges; else shrink [n_shrink] then end steps [n_steps] (quant/int4.py ClipSearch). Rows in parallel.
-// Returns 0, or -1 for a group size other than 32, 64, 128.
+// isa 0: AVX-512 where the CPU has it, 1: AVX2 only (the same bits). Returns 0, or -1 for a group size other than
+// 32, 64, 128.
 int dsv3_int4_quantize(const void* w, int64_t kind, const float* sinv, int64_t n, int64_t k, int64_t group,
                        int search, const float* shrink, int64_t n_shrink, const float* steps, int64_t n_steps,
-                       uint8_t* qw, uint16_t* sc, uint16_t* zr, int threads) {
+                       uint8_t* qw, uint16_t* sc, uint16_t* zr, int threads, int isa) {
   if (group != 32 && group != 64 && group != 128) return -1;
-  const Search sr{shrink, n_shrink, steps, n_steps, search != 0};
+  const QArgs a{w, kind, sinv, n, k, group, Search{shrink, n_shrink, steps, n_steps, search != 0}, qw, sc, zr};
+  const bool wide = isa != 1 && have_avx512();
   constexpr int64_t RB = 4;                                // rows per work item
   const int64_t items = (n + RB - 1) / RB;
   const int nthreads = thread_count(threads, n * k * (search ? 8 : 1));
   parallel_items(items, nthreads, [&](int64_t item) {
     const int64_t r0 = item * RB, r1 = std::min(r0 + RB, n);
-    if (group == 128) quantize_rows<128>(w, kind, sinv, n, k, sr, qw, sc, zr, r0, r1);
-    else if (group == 64) quantize_rows<64>(w, kind, sinv, n, k, sr, qw, sc, zr, r0, r1);
-    else quantize_rows<32>(w, kind, sinv, n, k, sr, qw, sc, zr, r0, r1);
+    if (wide) q_rows_avx512(a, r0, r1);
+    else q_rows_avx2(a, r0, r1);
   });
   return 0;
 }
