@@ -345,8 +345,11 @@ class Gate(nn.Module):
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
         """Expert ids [N, K] chosen from unbiased scores [N, E] (bias and group limit applied here)."""
+        return self.pick(scores if self.bias is None else scores + self.bias)
+
+    def pick(self, choice: torch.Tensor) -> torch.Tensor:
+        """Expert ids [N, K] from bias-corrected scores [N, E]: the group limit, then the top k."""
         a = self.args
-        choice = scores if self.bias is None else scores + self.bias
         if a.n_group > 1 and a.topk_method != "greedy":
             grouped = choice.view(-1, a.n_group, a.n_routed_experts // a.n_group)
             if a.topk_method == "noaux_tc":

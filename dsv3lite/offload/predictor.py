@@ -48,6 +48,7 @@ class RoutePredictor:
             self.next_sources[id(self.mtp)] = NEXT_FROM_MTP
         self.first_moe = [b for b in self.layers if b.is_moe][:self.lookahead]
         self.mtp_ran = False              # whether the MTP layer ran in the step before this one
+        self._stacks: dict = {}           # blocks predicted together -> their norm weights, gate weights, biases
         self._mtp_this_step = False
 
     def targets(self, layer: Block) -> list[tuple[int | str, Block]]:
@@ -75,6 +76,28 @@ class RoutePredictor:
             out += [(source, b) for b in self.first_moe if id(b) not in ahead]
         return out
 
+    def lookahead_ids(self, blocks: list[Block], flat: torch.Tensor) -> torch.Tensor:
+        """Predicted expert ids [len(blocks), N, K] of MoE `blocks` from one hidden state flat [N, D], batched:
+        the RMS statistics once (each block's ffn norm differs only by its weight), one product per block, and
+        one bias-corrected, group-limited top-k over all of them. A prediction, not the routing: the normalised
+        value is not rounded to the hidden dtype as the layer's own norm rounds it."""
+        gate = blocks[0].ffn.gate
+        key = tuple(id(b) for b in blocks)
+        parts = self._stacks.get(key)
+        if parts is None:
+            eps = blocks[0].ffn_norm.eps
+            wts = [(b.ffn_norm.weight.float(), b.ffn.gate.weight.float().t()) for b in blocks]
+            bias = None if gate.bias is None else torch.stack([b.ffn.gate.bias for b in blocks])[:, None, :]
+            parts = self._stacks[key] = (eps, wts, bias)
+        eps, wts, bias = parts
+        x = flat.float()
+        r = x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        logits = torch.stack([torch.mm(r * w, gt) for w, gt in wts])            # [B, N, E]
+        scores = logits.sigmoid() if gate.args.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if bias is None else scores + bias
+        n_experts = choice.shape[-1]
+        return gate.pick(choice.view(-1, n_experts)).view(len(blocks), flat.shape[0], -1)
+
     @torch.no_grad()
     def predict(self, layer: Block, h: torch.Tensor) -> dict[int, tuple[int | str, list[list[int]]]]:
         """h [B, S, D] after `layer`'s attention -> {moe layer id: (distance or next-token source, per-token expert
@@ -86,13 +109,14 @@ class RoutePredictor:
             return {}
         flat = h.reshape(-1, h.shape[-1])
         ids = []
-        for d, b in targets:
-            if d == 0 and b is layer:                    # exact: the layer's own norm and gate, kept for its ffn
-                normed = b.ffn_norm(h)
-                routed = b.ffn.gate(normed.reshape(flat.shape))
-                b.prepared, b.ffn.prepared = (h, normed), (normed, routed)
-                ids.append(routed[1])
-            else:
-                ids.append(b.ffn.gate.select(b.ffn.gate.scores(b.ffn_norm(flat))))
+        ahead = targets
+        if targets[0][0] == 0 and targets[0][1] is layer:    # exact: the layer's own norm and gate, kept for its ffn
+            normed = layer.ffn_norm(h)
+            routed = layer.ffn.gate(normed.reshape(flat.shape))
+            layer.prepared, layer.ffn.prepared = (h, normed), (normed, routed)
+            ids.append(routed[1])
+            ahead = targets[1:]
+        if ahead:
+            ids.extend(self.lookahead_ids([b for _, b in ahead], flat))
         host = torch.stack(ids).tolist()                 # the one device->host read of this layer
         return {b.layer_id: (d, rows) for (d, b), rows in zip(targets, host)}
