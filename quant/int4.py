@@ -137,18 +137,20 @@ def _chunk_rows(n: int, kp: int, device: torch.device) -> int:
 
 _SRC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}  # the kernel's sources
 KERNEL_ISA = 0   # the kernel's code: 0 AVX-512 where the CPU has it, 1 AVX2 only (the same bits; for tests)
+KERNEL_MAX_CANDIDATES = 64   # per search stage (cpu_kernels.cpp MAX_CANDIDATES); a larger search runs the twin
 
 
 def _search_of(clip_search: bool | ClipSearch) -> ClipSearch | None:
     return CLIP_SEARCH if clip_search is True else (clip_search or None)
 
 
-def _kernel_library(w: torch.Tensor, group_size: int, scale_inv: torch.Tensor | None):
-    """The compiled CPU kernels when they can quantize w (on the CPU, a source dtype and group size they take),
-    else None."""
+def _kernel_library(w: torch.Tensor, group_size: int, scale_inv: torch.Tensor | None, search: ClipSearch | None):
+    """The compiled CPU kernels when they can quantize w (on the CPU, a source dtype, group size and search they
+    take), else None."""
     if (w.device.type != "cpu" or w.dim() != 2 or w.dtype not in _SRC_KINDS or group_size not in GROUP_SIZES
             or w.numel() == 0 or (scale_inv is not None and (w.dtype != torch.float8_e4m3fn
-                                                             or scale_inv.device.type != "cpu"))):
+                                                             or scale_inv.device.type != "cpu"))
+            or (search is not None and max(1 + len(search.shrink), len(search.end_steps)) > KERNEL_MAX_CANDIDATES)):
         return None
     from ..kernels import cpu_build
 
@@ -192,9 +194,10 @@ def int4_quantize(w: torch.Tensor, group_size: int = 128, clip_search: bool | Cl
     there is one, on torch's CPU threads; else, or with use_kernel=False, the twin int4_quantize_ref. Both give
     the same bits (tests/test_int4_kernel.py) except for NaN weights, whose codes neither specifies."""
     if use_kernel:
-        lib = _kernel_library(w, group_size, scale_inv)
+        search = _search_of(clip_search)
+        lib = _kernel_library(w, group_size, scale_inv, search)
         if lib is not None:
-            return _int4_quantize_kernel(lib, w, group_size, _search_of(clip_search), scale_inv)
+            return _int4_quantize_kernel(lib, w, group_size, search, scale_inv)
     return int4_quantize_ref(w, group_size, clip_search, scale_inv)
 
 
@@ -289,8 +292,9 @@ class Int4Format(ExpertFormat):
         """The blob with each matrix quantized by the compiled kernel straight into its place (the bytes _write
         gives: gaps zero), or None where the kernel cannot take all three."""
         (gate, _), (up, _), (down, _) = weights
+        search = _search_of(self.clip_search)
         if (gate.dim() != 2 or gate.shape != up.shape or tuple(down.shape) != (gate.shape[1], gate.shape[0])
-                or any(_kernel_library(w, self.group_size, s) is None for w, s in weights)):
+                or any(_kernel_library(w, self.group_size, s, search) is None for w, s in weights)):
             return None
         from ..kernels import cpu_build
 
@@ -306,7 +310,6 @@ class Int4Format(ExpertFormat):
             blob[end:c.offset].zero_()
             end = c.offset + c.nbytes
         blob[end:].zero_()
-        search = _search_of(self.clip_search)
         for m, (w, s) in zip(MATRICES, weights):
             views = tuple(layout.view(blob, f"{m}.{part}") for part in ("qweight", "scales", "zeros"))
             _int4_quantize_kernel(lib, w, self.group_size, search, s, out=views)

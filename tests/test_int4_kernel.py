@@ -194,19 +194,10 @@ def test_avx2_and_avx512_code_give_the_same_bits(group, monkeypatch):
         _assert_same(a, b, f"AVX2 vs best, group {group}")
 
 
-def test_division_by_an_fp16_scale_via_double_is_exact():
-    """The kernel computes w / s (s an fp16 value) as float(double(w) * (1 / double(s))), with no float division:
-    equal to float32 division for every positive finite fp16 s, against random w and w made to put w / s as
-    close to a rounding midpoint as it can be (kernels/csrc/cpu_kernels.cpp quot() has the argument)."""
-    s = torch.arange(1, 0x7C00, dtype=torch.int16).view(torch.float16).float()[:, None]   # every positive finite
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        m = torch.rand(1, 160, generator=gen) + 0.5
-        e = torch.randint(-30, 30, (1, 160), generator=gen).float()
-        w = m * torch.exp2(e)                                          # random, quotients in float's normal range
-        mids = (torch.nextafter(w, torch.tensor(float("inf"))).double() + w.double()) / 2   # midpoints between floats
-        near = (s.double() * mids).float()                             # w / s as near a midpoint as floats allow
-        for x in (w.expand(s.shape[0], -1), near, -near):
-            want = x / s
-            got = (x.double() * (1.0 / s.double())).float()
-            assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} differ"
+
+@needs_kernel
+def test_a_search_too_large_for_the_kernel_runs_the_twin(monkeypatch):
+    monkeypatch.setattr(int4_mod, "_int4_quantize_kernel", lambda *a, **kw: pytest.fail("kernel called"))
+    big = ClipSearch(tuple(1.0 - 0.01 * i for i in range(1, int4_mod.KERNEL_MAX_CANDIDATES + 1)), ())
+    w = _weights((8, 256), seed=6)
+    _assert_same(int4_quantize(w, 128, big), int4_quantize_ref(w, 128, big))
