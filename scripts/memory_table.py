@@ -54,6 +54,7 @@ MODELS = {
         rope_scaling=dict(_YARN_V3, beta_fast=32)),
 }
 FORMATS = ("fp8", "int4", "nf4", "bf16")
+GPU_DENSE = (None, "fp8", "int4")       # the non-expert weights on the GPU: bf16, --dense fp8, --dense int4
 CTX = 4096
 
 
@@ -70,7 +71,9 @@ def rows():
             for fmt in FORMATS:
                 blob = get_format(fmt).layout(a.moe_intermediate_size, a.hidden_size).blob_bytes
                 host = layers * a.n_routed_experts * blob
-                gpu = make_plan(a, 1 << 50, CTX, blob, fmt, dense_bytes=2, mtp=mtp).resident
+                gpu = [make_plan(a, 1 << 50, CTX, blob, fmt, dense_bytes=2, mtp=mtp,
+                                 weight_bytes=DENSE_WEIGHT_BYTES[d] if d else None).resident
+                       for d in GPU_DENSE]
                 cpu = make_plan(a, 1 << 50, CTX, blob, fmt, dense_bytes=4, mtp=mtp,
                                 weight_bytes=DENSE_WEIGHT_BYTES["int8"]).resident
                 out.append((name, fmt, host, gpu, host + cpu))
@@ -78,13 +81,17 @@ def rows():
 
 
 def main() -> int:
-    print("| model | experts | expert blobs (host RAM, or the page cache) | GPU minimum | CPU-only run, `--dense int8` |")
-    print("|---|---|---|---|---|")
+    print("| model | experts | expert blobs (host RAM, or the page cache) | GPU minimum | with `--dense fp8` | "
+          "with `--dense int4` | CPU-only run, `--dense int8` |")
+    print("|---|---|---|---|---|---|---|")
     for name, fmt, host, gpu, cpu in rows():
-        print(f"| {name} | {fmt} | {format_bytes(host)} | {format_bytes(gpu)} | {format_bytes(cpu)} |")
-    print(f"\nGPU minimum: every non-expert weight resident in bf16, the latent KV cache for {CTX} tokens and the "
-          f"prefill workspace (`dsv3lite plan` prints it); every byte of --gpu-mem above it holds expert slots. "
-          f"CPU-only: the expert blobs plus the non-expert weights packed to int8, fp32 activations and KV.")
+        print(f"| {name} | {fmt} | {format_bytes(host)} | {' | '.join(format_bytes(g) for g in gpu)} | "
+              f"{format_bytes(cpu)} |")
+    print(f"\nGPU minimum: every non-expert weight resident (bf16, or packed with --dense: MLA's wkv_b, norms, "
+          f"embeddings and routers stay as they are), the latent KV cache for {CTX} tokens and the prefill workspace "
+          f"(`dsv3lite plan` prints it); every byte of --gpu-mem above it, less the 1.5 GiB kept for the CUDA "
+          f"context, holds expert slots. CPU-only: the expert blobs plus the non-expert weights packed to int8, "
+          f"fp32 activations and KV.")
     return 0
 
 
