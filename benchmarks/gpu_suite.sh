@@ -69,7 +69,7 @@ stage_kernel_tests() {
         echo '```'
     } > "$out"
     "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/test_kernels_moe.py tests/test_kernels_quant.py \
-        tests/test_kernels_mla.py 2>&1 | tee -a "$out" | tail -5
+        tests/test_kernels_mla.py tests/test_dense_cuda.py 2>&1 | tee -a "$out" | tail -5
     local rc=${PIPESTATUS[0]}
     echo '```' >> "$out"
     return "$rc"
