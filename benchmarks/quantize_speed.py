@@ -11,6 +11,8 @@ in 4 shards. Each row runs `quantize_checkpoint` in a fresh child process and re
   pipeline    the experts phase (read, quantize on --workers threads, write, fsync per layer) / experts
   arithmetic  the same experts quantized from memory by the same threads (no reads, no writes) / experts
   overhead    pipeline / arithmetic - 1
+  read, write, fsync  of the pipeline: seconds in reading experts (worker threads, summed), writing blobs and the
+              per-layer fsync (main thread), per expert
 each also as CPU seconds (the process's, all threads: the figures least disturbed by other jobs on the machine),
 plus the dense phase and the peak RSS (of the quantize), and which int4 quantizer ran (the compiled kernel or the
 twin; DSV3LITE_CPU_KERNELS=ref forces the twin). The source was just written, so reads come from the page
@@ -82,11 +84,28 @@ def child(src: str, dst: str, fmt: str, fast: bool, workers: int, device: str) -
         return run
 
     ck._write_dense, ck._write_experts = timed("dense", ck._write_dense), timed("experts", ck._write_experts)
+    parts = {"read": 0.0, "write": 0.0, "sync": 0.0}           # wall seconds inside, summed over threads
+
+    def summed(name, fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                parts[name] += time.perf_counter() - t0
+        return run
+
+    from dsv3lite.quant.tensorfile import TensorFileWriter
+
+    ck.read_expert = summed("read", ck.read_expert)
+    TensorFileWriter.write_row = summed("write", TensorFileWriter.write_row)
+    TensorFileWriter.sync = summed("sync", TensorFileWriter.sync)
     t0 = time.perf_counter()
     ck.quantize_checkpoint(src, dst, experts=fmt, fast=fast, device=device, workers=workers or None,
                            progress=False, log=lambda m: None)
     total = time.perf_counter() - t0
     peak_rss = _peak_rss()
+    in_pipeline = dict(parts)
 
     plan = ck.plan_quantize(src, dst + ".again", fmt, fast=fast)
     dev = ck.resolve_device(device)
@@ -102,14 +121,15 @@ def child(src: str, dst: str, fmt: str, fast: bool, workers: int, device: str) -
     print(json.dumps({"experts": len(jobs), "total": total, "dense": phase["dense"], "pipeline": phase["experts"],
                       "arithmetic": arithmetic, "pipeline_cpu": phase["experts_cpu"], "arithmetic_cpu": arithmetic_cpu,
                       "workers": n_workers, "device": dev.type, "peak_rss": peak_rss, "base_rss": base_rss,
-                      "int4_kernel": int4_kernel_status()}))
+                      "int4_kernel": int4_kernel_status(), **in_pipeline}))
 
 
 def int4_kernel_status() -> str:
     """Which int4 quantizer runs on the CPU: the compiled kernel (kernels/csrc/cpu_kernels.cpp) or the twin."""
     from dsv3lite.kernels import cpu_build
+    from dsv3lite.quant import int4
 
-    return "kernel" if cpu_build.library() is not None else "twin"
+    return "kernel" if hasattr(int4, "int4_quantize_ref") and cpu_build.library() is not None else "twin"
 
 
 def search_table() -> str:
@@ -121,6 +141,7 @@ def search_table() -> str:
     shape = (2048, 7168)
     gauss = torch.randn(shape, generator=gen) * 0.02
     q, s = fp8_block_quantize(torch.randn(shape, generator=gen) * 0.02)
+    torch.manual_seed(0)                       # StudentT samples from the global generator: the same matrix each run
     t4 = torch.distributions.StudentT(torch.tensor(4.0)).sample(shape) * 0.02
     mats = {"gaussian": gauss, "FP8 gaussian": fp8_block_dequant(q, s).float(), "Student t4": t4}
     searches = [("exhaustive (earlier default)", EXHAUSTIVE), ("min/max (--fast)", False),
@@ -203,6 +224,13 @@ def main() -> None:
           "| pipeline CPU s/expert | arithmetic CPU s/expert | CPU overhead | dense phase s | total s "
           "| peak RSS GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(row_text(row, r) for row, r in rows))
+    print("\n| source | experts | --fast | pipeline: read s/expert (workers, summed) | write s/expert | fsync s/expert |"
+          "\n|---|---|---|---|---|---|")
+    for row, r in rows:
+        source, fmt, *flag = row.split(":")
+        n = r["experts"]
+        print(f"| {source} | {fmt} | {'yes' if flag else ''} | {r['read'] / n:.4f} | {r['write'] / n:.4f} "
+              f"| {r['sync'] / n:.4f} |")
 
 
 def row_text(row: str, r: dict) -> str:

@@ -12,6 +12,10 @@ Each group's range always includes 0 (so z stays in [0, 15], where fp16 holds it
 a clipping search: shrink [min, max] by a few ratios, then move each end on its own, keeping per group the
 candidate with the least squared reconstruction error, evaluated with the fp16-rounded scale and zero (7
 candidates, within 2% of the error of the earlier 23; benchmarks/quantize_speed.py --search-table).
+
+On the CPU a compiled kernel does it all in one pass per group (kernels/csrc/cpu_kernels.cpp dsv3_int4_quantize:
+FP8 decoding, the search, packing), with the same operations in the same order as the PyTorch twin
+int4_quantize_ref, which runs elsewhere (GPU, no compiler, DSV3LITE_CPU_KERNELS=ref): the same bits either way.
 """
 from __future__ import annotations
 
