@@ -25,6 +25,9 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 # -fno-trapping-math: float compares and selects may be vectorized (no value changes: exceptions are never enabled)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fPIC",
          "-shared", "-std=c++17")
+# the int4 quantizer also has an AVX-512 build of its code, run where the CPU has AVX-512 (the same bits); a compiler
+# that refuses its target attribute gets this define and builds the AVX2 code alone
+NO_AVX512 = ("-DDSV3LITE_NO_AVX512",)
 ABI = 1                            # dsv3_cpu_abi() of a library these bindings fit
 
 _c_i64, _c_int, _c_ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -77,6 +80,9 @@ def _build(compiler: str, source: bytes, out: Path) -> None:
     try:
         src.write_bytes(source)
         proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(src)], capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:   # a compiler without AVX-512 target attributes: the AVX2 code alone
+            proc = subprocess.run([compiler, *FLAGS, *NO_AVX512, "-o", tmp, str(src)], capture_output=True,
+                                  text=True, timeout=600)
         if proc.returncode != 0:
             lines = (proc.stderr or proc.stdout).strip().splitlines()
             raise RuntimeError(f"{Path(compiler).name} failed: {lines[-1] if lines else proc.returncode}")

@@ -910,7 +910,13 @@ struct QArgs {
 // measured per DeepSeek-V3 expert (FP8, the clip search), 1 thread, CPU s: AVX2 0.30-0.36, AVX-512 0.20-0.22
 void q_rows_avx2(const QArgs& a, int64_t r0, int64_t r1) { Q_ROWS_BODY }
 
+// kernels/cpu_build.py builds without it (DSV3LITE_NO_AVX512) where a compiler refuses the attribute
+#ifndef DSV3LITE_NO_AVX512
+#if defined(__clang__)
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#else
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512")))
+#endif
 void q_rows_avx512(const QArgs& a, int64_t r0, int64_t r1) { Q_ROWS_BODY }
 
 bool have_avx512() {
@@ -918,6 +924,10 @@ bool have_avx512() {
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   return yes;
 }
+#else
+void q_rows_avx512(const QArgs& a, int64_t r0, int64_t r1) { Q_ROWS_BODY }
+bool have_avx512() { return false; }
+#endif
 
 }  // namespace
 
