@@ -274,6 +274,7 @@ class TensorReader:
         self.index = index
         self._shards: dict[Path, tuple[int, dict[str, TensorSpan]]] = {}   # shard -> (fd, name -> span)
         self._lock = threading.Lock()
+        self._local = threading.local()                   # per-thread scratch buffers (get(scratch=...))
 
     def _locate(self, name: str) -> tuple[int, TensorSpan, Path]:
         shard = self.index.files.get(name)
@@ -295,12 +296,14 @@ class TensorReader:
     def has(self, name: str) -> bool:
         return name in self.index.files
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, scratch=None) -> torch.Tensor:
+        """The tensor `name`, in memory of its own; with `scratch` (a key), in this thread's buffer of that key,
+        reused by the next read with the same key on this thread (no fresh pages to fault in per tensor)."""
         fd, span, shard = self._locate(name)
         dtype = DTYPES.get(span.dtype)
         if dtype is None or span.nbytes != entry_nbytes(span.dtype, span.shape):
             raise UserError(f"tensor {name} in {shard.name}: unsupported dtype {span.dtype} or inconsistent size")
-        buf = torch.empty(span.nbytes, dtype=torch.uint8)
+        buf = torch.empty(span.nbytes, dtype=torch.uint8) if scratch is None else self._scratch(scratch, span.nbytes)
         view, offset = memoryview(buf.numpy()), span.start
         while view.nbytes:
             n = os.preadv(fd, [view], offset)
@@ -309,9 +312,18 @@ class TensorReader:
             view, offset = view[n:], offset + n
         return buf.view(dtype).view(span.shape)
 
-    def weight(self, name: str, shape: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, its FP8 block scale_inv in fp32, or None for a float weight), shapes checked."""
-        w = self.get(name)
+    def _scratch(self, key, nbytes: int) -> torch.Tensor:
+        bufs = self._local.__dict__.setdefault("bufs", {})
+        buf = bufs.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = bufs[key] = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]
+
+    def weight(self, name: str, shape: tuple[int, ...] | None = None,
+               scratch=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, its FP8 block scale_inv in fp32, or None for a float weight), shapes checked. `scratch`: read
+        the weight into this thread's buffer of that key (see `get`); valid until the next read with that key."""
+        w = self.get(name, scratch)
         if shape is not None and tuple(w.shape) != tuple(shape):
             raise UserError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)} from config.json")
         if w.dtype != torch.float8_e4m3fn:

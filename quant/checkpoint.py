@@ -71,9 +71,11 @@ def _natural_key(name: str):
 
 # ---- packing experts from the source (read one tensor at a time by hf_checkpoint.TensorReader) ----------------
 
-def read_expert(reader: TensorReader, layer_id: int, expert: int, layout: BlobLayout):
-    """(weight, FP8 scale_inv or None) of gate, up and down of one routed expert, shapes checked."""
-    return [reader.weight(expert_tensor_name(layer_id, expert, p), layout.matrix_shape(m))
+def read_expert(reader: TensorReader, layer_id: int, expert: int, layout: BlobLayout, reuse: bool = False):
+    """(weight, FP8 scale_inv or None) of gate, up and down of one routed expert, shapes checked. reuse: read into
+    this thread's scratch buffers (valid until its next read_expert with reuse)."""
+    return [reader.weight(expert_tensor_name(layer_id, expert, p), layout.matrix_shape(m),
+                          scratch=("expert", p) if reuse else None)
             for p, m in zip(PROJECTIONS, MATRICES)]
 
 
@@ -118,14 +120,15 @@ def pack_experts(reader: TensorReader, jobs, fmt: ExpertFormat, layout: BlobLayo
     read_lock = threading.Lock()               # one reader at a time: TensorReader opens shards lazily
 
     def job(layer, e):
-        with read_lock:
-            weights = read_expert(reader, layer, e, layout)
+        with read_lock:               # into the worker's own buffers: the expert is packed before its next read
+            weights = read_expert(reader, layer, e, layout, reuse=True)
         return pack_weights(weights, fmt, layout, out_for(layer, e), device)
 
     todo, pending = iter(jobs), collections.deque()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="quantize")
     try:
-        for j in itertools.islice(todo, workers + 1):      # one expert read ahead of the busy workers
+        # finished blobs wait for the writer while the workers go on (a layer's fsync does not stall them)
+        for j in itertools.islice(todo, 2 * workers + 1):
             pending.append((j, pool.submit(job, *j)))
         while pending:
             j, future = pending.popleft()
