@@ -4,6 +4,7 @@ quality against its cost.
     python benchmarks/quantize_speed.py                           # 32 experts, FP8 and bf16 sources
     python benchmarks/quantize_speed.py --experts 64 --sources fp8 --rows fp8:int4 fp8:int4:fast --workdir /big
     python benchmarks/quantize_speed.py --search-table            # clip-search candidates: error vs exhaustive
+    python benchmarks/quantize_speed.py --rows bf16:int4 --llama   # and the slice against llama-quantize Q4_K_M
 
 The source is one MoE layer of DeepSeek-V3 (hidden 7168, routed experts 2048 wide, MLA at 128 heads, the shared
 expert) written by dsv3lite.testing_realwidth as the hub writes it (bf16, or FP8 e4m3 with 128x128 block scales),
@@ -30,6 +31,7 @@ import os
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +56,7 @@ class _MemoryReader:
     def __init__(self, reader, names):
         self.tensors = {n: reader.weight(n) for n in names}
 
-    def weight(self, name, shape=None):
+    def weight(self, name, shape=None, scratch=None):
         return self.tensors[name]
 
 
@@ -183,6 +185,8 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where the slices go (default: a temp dir)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per row, the fastest kept (a shared machine)")
     ap.add_argument("--search-table", action="store_true", help="only the clip-search table")
+    ap.add_argument("--llama", action="store_true",
+                    help="also the whole bf16 slice against llama-quantize to Q4_K_M (builds llama.cpp once)")
     ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -217,6 +221,7 @@ def main() -> None:
             r = {k: min(x[k] for x in runs) if isinstance(v, float) else v for k, v in runs[0].items()}
             rows.append((row, r))
             print(row_text(row, r), file=sys.stderr, flush=True)
+        peer = llama_rounds(sources, work, a) if a.llama else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"{head}, {os.getloadavg()[0]:.1f} at the end; {a.experts} experts of 2048x7168\n")
@@ -231,6 +236,51 @@ def main() -> None:
         n = r["experts"]
         print(f"| {source} | {fmt} | {'yes' if flag else ''} | {r['read'] / n:.4f} | {r['write'] / n:.4f} "
               f"| {r['sync'] / n:.4f} |")
+    if peer:
+        print(f"\nThe whole slice (its {a.experts} experts and dense weights), wall seconds, alternating rounds, "
+              f"{peer['threads']} threads each, medians of {len(peer['dsv3lite'])}:\n")
+        print("| quantizer | output | wall s | peak RSS GiB |\n|---|---|---|---|")
+        d, q = statistics.median(peer["dsv3lite"]), statistics.median(peer["llama"])
+        print(f"| dsv3lite quantize --experts int4 (HF bf16 dir) | int4 g128 experts (clip search), dense bf16 | "
+              f"{d:.1f} | {max(peer['dsv3lite_rss']) / 2**30:.2f} |")
+        print(f"| llama-quantize Q4_K_M (bf16 GGUF) | Q4_K / Q6_K, every matrix | {q:.1f} | "
+              f"{max(peer['llama_rss']) / 2**30:.2f} |")
+        print(f"\ndsv3lite / llama-quantize wall time: {d / q:.2f}x (goal: at most 1x: "
+              f"{'met' if d <= q else 'not met'})")
+
+
+def llama_rounds(sources: dict, work: Path, a) -> dict | None:
+    """dsv3lite's quantize of the bf16 slice (int4, the defaults) against llama-quantize to Q4_K_M of the same
+    slice converted to a bf16 GGUF, in alternating rounds with the same thread count; wall seconds and peak RSS.
+    llama.cpp is built and the slice converted as benchmarks/cpu_peer.py does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cpu_peer import gguf, llama_bin
+
+    src = sources.get("bf16") or write_source(work / "src-bf16", a.experts, "bf16")
+    base = gguf(src, "BF16", work / "gguf")
+    threads = os.cpu_count()
+    out: dict = {"threads": threads, "dsv3lite": [], "llama": [], "dsv3lite_rss": [], "llama_rss": []}
+    for _ in range(max(a.repeat, 1)):
+        dst = work / "peer-out"
+        t0 = time.perf_counter()
+        cli = str(Path(sys.executable).parent / "dsv3lite")
+        res = subprocess.run(["/usr/bin/time", "-f", "%M", cli, "quantize", str(src), str(dst), "--experts", "int4",
+                              "--force"], capture_output=True, text=True, errors="replace")
+        out["dsv3lite"].append(time.perf_counter() - t0)
+        if res.returncode:
+            sys.exit(f"dsv3lite quantize failed:\n{res.stderr}")
+        out["dsv3lite_rss"].append(int(res.stderr.strip().splitlines()[-1]) * 1024)
+        shutil.rmtree(dst, ignore_errors=True)
+        q = work / "peer-Q4_K_M.gguf"
+        t0 = time.perf_counter()
+        res = subprocess.run(["/usr/bin/time", "-f", "%M", str(llama_bin("llama-quantize")), str(base), str(q),
+                              "Q4_K_M", str(threads)], capture_output=True, text=True, errors="replace")
+        out["llama"].append(time.perf_counter() - t0)
+        if res.returncode:
+            sys.exit(f"llama-quantize failed:\n{res.stderr[-2000:]}")
+        out["llama_rss"].append(int(res.stderr.strip().splitlines()[-1]) * 1024)
+        q.unlink(missing_ok=True)
+    return out
 
 
 def row_text(row: str, r: dict) -> str:
