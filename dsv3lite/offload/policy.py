@@ -18,6 +18,19 @@ from operator import itemgetter
 Key = tuple[int, int]
 
 
+class _Orders(dict):
+    """key -> order, `default` for a key without one (not stored): its `__getitem__` is a policy's `order`, a C
+    callable (the slot table asks for orders on every load)."""
+    __slots__ = ("default",)
+
+    def __init__(self, default):
+        super().__init__()
+        self.default = default
+
+    def __missing__(self, key):
+        return self.default
+
+
 class Policy:
     name = "base"
     grouped = False         # True: orders compare within a group only, groups through biases()
@@ -39,8 +52,7 @@ class Policy:
         """Eviction order within the key's group (lower: evicted first); changes only on touch/seed."""
         raise NotImplementedError
 
-    def group(self, key: Key) -> int:
-        return 0
+    group = ().count        # key -> its group, here 0 for every key (a C callable: the slot table asks on every use)
 
     def biases(self, n_groups: int) -> tuple[float, ...]:
         """Per-group offsets added to the order when groups are compared (grouped policies only). A grouped
@@ -64,7 +76,8 @@ class LRU(Policy):
     orders_grow = True
 
     def __init__(self):
-        self.last: dict[Key, int] = {}
+        self.last: dict[Key, int] = _Orders(-1)
+        self.order = self.last.__getitem__      # -1: never used
         self.tick = 0
 
     def touch(self, key, now):
@@ -77,9 +90,6 @@ class LRU(Policy):
     def forget(self, key):
         self.last.pop(key, None)
 
-    def order(self, key):
-        return self.last.get(key, -1)
-
 
 class LFU(Policy):
     """Use counts that survive eviction (a key that returns keeps its history)."""
@@ -87,13 +97,11 @@ class LFU(Policy):
     orders_grow = True
 
     def __init__(self):
-        self.count: dict[Key, float] = {}
+        self.count: dict[Key, float] = _Orders(0.0)
+        self.order = self.count.__getitem__     # 0.0: never used
 
     def touch(self, key, now):
         self.count[key] = self.count.get(key, 0.0) + 1.0
-
-    def order(self, key):
-        return self.count.get(key, 0.0)
 
     def seed(self, counts, now):
         for k, c in counts.items():
@@ -129,7 +137,8 @@ class DecayedLFU(Policy):
     def __init__(self, half_life: float = 2.0, layer_discount: float = 16.0):
         self.rate = math.log(2) / half_life
         self.layer_discount = layer_discount
-        self.mass: dict[Key, float] = {}      # key -> log(sum of exp(rate * t_use)); absent: never used
+        self.mass: dict[Key, float] = _Orders(-math.inf)   # key -> log(sum of exp(rate * t_use)); absent: never used
+        self.order = self.mass.__getitem__    # -inf when never used
         self.layer = 0                        # layer of the latest use
         self.n_layers = 1
         self._rows_shape = (0, 0)            # (n_layers, n_groups) the rows below were built for
@@ -146,9 +155,6 @@ class DecayedLFU(Policy):
         for k, c in counts.items():
             if c > 0:
                 self.mass[k] = _log_add(self.mass.get(k, -math.inf), math.log(c) + self.rate * now)
-
-    def order(self, key):
-        return self.mass.get(key, -math.inf)
 
     group = itemgetter(0)       # the layer (a C callable: the slot table asks on every use)
 

@@ -7,9 +7,12 @@ keys are indexed by the policy's order in one lazy min-heap per policy group (a 
 victim is the best of the groups' tops, kept in a second heap of groups ranked by order + the policy's group
 bias. Biases move as decode walks the layers (decayed-LFU: every layer, up for most groups): an entry whose
 bias rose since it was scored is a lower bound, rescored only when it reaches the top; entries whose bias
-fell are rescored at once (in decode, one group per layer). Pinned and in-flight keys are skipped lazily, set
-aside until they become evictable again. Stale heap entries are dropped when they surface and a heap is
-rebuilt when stale entries outnumber live ones.
+fell are rescored at once (in decode, one group per layer; which groups fell is cached per pair of bias
+tuples, so no step compares every group). A group whose entry is at the top of the ranked heap (the last
+victim's, usually) is rescored in place. Pinned and in-flight keys are kept off the heaps lazily: set aside
+when they surface (or when they are loaded unevictable), pushed back at their current order when they become
+evictable again. Stale heap entries are dropped when they surface and a heap is rebuilt when stale entries
+outnumber live ones.
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ KINDS = ("demand", "prefetch", "seed")       # why a slot was filled
 
 
 class _Group:
-    """Resident keys of one policy group: a min-heap of (order, key) with stale entries, the current orders, and
-    the keys popped off the heap while they could not be evicted."""
+    """Resident keys of one policy group: a min-heap of (order, key) with stale entries, the indexed orders (for
+    a policy whose orders grow, at most the current ones), and the keys set aside, off the heap, while they
+    could not be evicted."""
     __slots__ = ("heap", "order", "blocked")
 
     def __init__(self):
@@ -56,6 +60,9 @@ class SlotTable:
         self._scored: list[float] = []                 # per group: the bias its entry was scored with
         self._dirty: set[int] = set()                  # groups whose best key must be recomputed
         self._biases: tuple[float, ...] = ()           # the policy's group biases at the last victim()
+        self._fallen_cache: dict[tuple[int, int], tuple] = {}   # see _fallen
+        self._admit = policy.admit if type(policy).admit is not Policy.admit else None    # None: a no-op
+        self._forget = policy.forget if type(policy).forget is not Policy.forget else None
 
     # --- queries -------------------------------------------------------------------------------------
     def lookup(self, key: Key) -> int | None:
@@ -146,55 +153,76 @@ class SlotTable:
             return None
         if not self.policy.grouped:
             if self._dirty:
-                self._recompute_top(0)
-                self._dirty.clear()
+                self._refresh_tops()
             return self._top_key[0]
         biases = self.policy.biases(n)
+        ranked, entry, scored = self._ranked, self._entry, self._scored
+        changed = self._refresh_tops() if self._dirty else []     # groups to rescore: entry stale or too high
         if biases is not self._biases:
-            for g in self._dirty:
-                self._recompute_top(g)
-            if len(self._scored) != n:                 # new groups: rank every group afresh
-                self._scored = list(biases)
-                self._entry = list(zip(map(add, self._top_order, biases), self._top_order, self._top_key, range(n)))
-                self._ranked = self._entry.copy()
-                heapify(self._ranked)
-            else:                                      # groups whose bias fell: their entries are too high
-                for g in self._dirty.union(compress(range(n), map(lt, biases, self._scored))):
-                    self._rescore(g, biases[g])
-            self._dirty.clear()
+            if len(scored) != n:                       # new groups: rank every group afresh
+                self._scored = scored = list(biases)
+                self._entry = entry = list(zip(map(add, self._top_order, biases), self._top_order, self._top_key,
+                                               range(n)))
+                self._ranked = ranked = entry.copy()
+                heapify(ranked)
+                changed = ()
+            else:                                      # groups whose bias fell below their score's
+                for g in self._fallen(self._biases, biases):
+                    if biases[g] < scored[g]:
+                        changed.append(g)
             self._biases = biases
-        elif self._dirty:
-            for g in self._dirty:
-                if self._recompute_top(g):
-                    self._rescore(g, biases[g])
-            self._dirty.clear()
-        if len(self._ranked) > 4 * n + 16:
-            self._ranked = self._entry.copy()
-            heapify(self._ranked)
-        ranked, current, scored = self._ranked, self._entry, self._scored
+        if changed:
+            top_order, top_key = self._top_order, self._top_key
+            for g in changed:                          # a group twice in `changed`: rescored twice, no harm
+                o = top_order[g]
+                b = scored[g] = biases[g]
+                old = entry[g]
+                new = entry[g] = (o + b, o, top_key[g], g)
+                if ranked[0] is old:                   # the last victim's group, usually: replace it in place
+                    if len(ranked) > 2 and new < ranked[1] and new < ranked[2]:
+                        ranked[0] = new                # still the best: no sifting
+                    else:
+                        heapreplace(ranked, new)
+                else:
+                    heappush(ranked, new)
+        if len(ranked) > 2 * n + 16:
+            self._ranked = ranked = entry.copy()
+            heapify(ranked)
         while True:                                    # every group's current entry is on the heap
             best = ranked[0]
             g = best[3]
-            if current[g] is not best:
+            if entry[g] is not best:
                 heappop(ranked)                        # stale: that group's top changed since
             elif scored[g] != biases[g]:               # a lower bound (its bias rose since): score it now
                 o = best[1]
-                scored[g] = biases[g]
-                current[g] = (o + biases[g], o, best[2], g)
-                heapreplace(ranked, current[g])
+                b = scored[g] = biases[g]
+                best = entry[g] = (o + b, o, best[2], g)
+                if len(ranked) > 2 and best < ranked[1] and best < ranked[2]:
+                    ranked[0] = best
+                    return best[2]
+                heapreplace(ranked, best)
             else:
                 return best[2]                         # None: no group has an evictable key
 
-    def _rescore(self, g: int, bias: float) -> None:
-        o = self._top_order[g]
-        entry = self._entry[g] = (o + bias, o, self._top_key[g], g)
-        self._scored[g] = bias
-        heappush(self._ranked, entry)
+    def _fallen(self, old, new) -> list[int]:
+        """The groups whose bias is lower in `new` than in `old` (both as the policy returned them). A policy
+        cycles through a few bias tuples (decayed-LFU: one per latest layer, and one group falls per step), so
+        the answer is cached per pair of tuple objects; the cache holds both, so their ids are not reused."""
+        if type(old) is not tuple or type(new) is not tuple:
+            return list(compress(range(len(new)), map(lt, new, old)))
+        cache = self._fallen_cache
+        hit = cache.get((id(old), id(new)))
+        if hit is None:
+            if len(cache) >= 4096:                     # a policy that makes new tuples: bound the cache
+                cache.clear()
+            hit = cache[id(old), id(new)] = (old, new, list(compress(range(len(new)), map(lt, new, old))))
+        return hit[2]
 
     def allocate(self, key: Key, kind: str, in_flight: bool = False) -> int | None:
         """A slot for `key`: a free one, else the victim's (evicted here); None when every resident key is
         pinned or in flight. `in_flight`: its copy is still running (mark_ready ends it)."""
-        assert key not in self.slot_of, f"{key} is already resident"
+        slot_of = self.slot_of
+        assert key not in slot_of, f"{key} is already resident"
         assert kind in KINDS, kind
         if self.free:
             slot = self.free.pop()
@@ -205,24 +233,26 @@ class SlotTable:
             slot = self._evict(victim)
         assert self.key_of[slot] is None
         self.key_of[slot] = key
-        self.slot_of[key] = slot
+        slot_of[key] = slot
         if kind == "prefetch":
             self.unused_prefetch.add(key)
         if in_flight:
             self.in_flight.add(key)
-        self.policy.admit(key, self.now)
+        if self._admit is not None:
+            self._admit(key, self.now)
         self._index_add(key)
         return slot
 
     def _evict(self, key: Key) -> int:
-        assert self.evictable(key), f"{key} is pinned, in flight or not resident"
+        assert key not in self.pins and key not in self.in_flight, f"{key} is pinned or in flight"
         slot = self.slot_of.pop(key)
         self.key_of[slot] = None
         if key in self.unused_prefetch:
             self.unused_prefetch.discard(key)
             self.wasted_prefetches += 1
         self.evictions += 1
-        self.policy.forget(key)
+        if self._forget is not None:
+            self._forget(key)
         g = self.policy.group(key)
         grp = self._groups[g]
         del grp.order[key]
@@ -248,11 +278,13 @@ class SlotTable:
 
     def _index_add(self, key: Key) -> None:
         g = self.policy.group(key)
-        grp = self._group(g)
-        order = self.policy.order(key)
-        grp.order[key] = order
-        self._push(grp, order, key)
-        if key not in self.pins and key not in self.in_flight:
+        groups = self._groups
+        grp = groups[g] if g < len(groups) else self._group(g)
+        order = grp.order[key] = self.policy.order(key)
+        if key in self.pins or key in self.in_flight:
+            grp.blocked.add(key)                       # set aside: on the heap when it becomes evictable
+        else:
+            self._push(grp, order, key)
             self._dirty_if_better(g, order, key)
 
     def _reordered(self, key: Key) -> None:
@@ -295,35 +327,42 @@ class SlotTable:
         if key in self.slot_of:
             g = self.policy.group(key)
             grp = self._groups[g]
-            order = grp.order[key]
-            if key in grp.blocked:
+            if key in grp.blocked:                     # back on the heap, at its current order
                 grp.blocked.discard(key)
+                order = grp.order[key] = self.policy.order(key)
                 self._push(grp, order, key)
+            else:
+                order = grp.order[key]
             self._dirty_if_better(g, order, key)
 
-    def _recompute_top(self, g: int) -> bool:
-        """Find group g's best evictable key; True when it changed."""
-        grp = self._groups[g]
-        heap, indexed, pins, in_flight, order = grp.heap, grp.order, self.pins, self.in_flight, self.policy.order
-        while heap:
-            o, k = heap[0]
-            if indexed.get(k) != o:
-                heappop(heap)                           # stale: evicted or re-indexed since
-            elif k in pins or (in_flight and k in in_flight):
-                heappop(heap)
-                grp.blocked.add(k)                      # back on the heap when it becomes evictable
-            else:
-                current = order(k)
-                if current != o:                        # used since it was indexed: re-index it now
-                    indexed[k] = current
+    def _refresh_tops(self) -> list[int]:
+        """Find the best evictable key of every dirty group (the dirty set is emptied) -> the groups whose best
+        key changed."""
+        groups, top_order, top_key = self._groups, self._top_order, self._top_key
+        pins, in_flight, order = self.pins, self.in_flight, self.policy.order
+        changed = []
+        for g in self._dirty:
+            grp = groups[g]
+            heap, indexed = grp.heap, grp.order
+            while heap:
+                o, k = heap[0]
+                if indexed.get(k) != o:
+                    heappop(heap)                       # stale: evicted or re-indexed since
+                elif k in pins or (in_flight and k in in_flight):
+                    heappop(heap)
+                    grp.blocked.add(k)                  # back on the heap when it becomes evictable
+                else:
+                    current = order(k)
+                    if current == o:
+                        break
+                    indexed[k] = current                # used since it was indexed: re-index it now
                     heapreplace(heap, (current, k))
-                    continue
-                if o == self._top_order[g] and k == self._top_key[g]:
-                    return False
-                self._top_order[g], self._top_key[g] = o, k
-                return True
-        changed = self._top_key[g] is not None
-        self._top_order[g], self._top_key[g] = math.inf, None
+            else:
+                o, k = math.inf, None                   # no evictable key
+            if o != top_order[g] or k != top_key[g]:
+                top_order[g], top_key[g] = o, k
+                changed.append(g)
+        self._dirty.clear()
         return changed
 
     # --- invariants ----------------------------------------------------------------------------------
