@@ -269,6 +269,50 @@ def test_equal_scores_across_groups_go_to_the_lower_order_then_the_lower_key():
     table.check()
 
 
+def test_biases_that_rise_and_fall_in_any_pattern_give_the_scanned_victim():
+    """The slot table caches which groups' biases fell per pair of bias tuples: a policy that cycles through a
+    few tuples (cache hits) and one that makes new ones every time (misses), against the scan."""
+    from dsv3lite.offload.policy import Policy
+
+    class Cycling(Policy):                          # order = use count; the biases: one of `rows`, picked on touch
+        grouped = True
+        orders_grow = True
+
+        def __init__(self, rows, fresh):
+            self.count, self.rows, self.row, self.fresh = {}, rows, 0, fresh
+
+        def touch(self, key, now):
+            self.count[key] = self.count.get(key, 0.0) + 1.0
+            self.row = (self.row + key[1]) % len(self.rows)
+
+        def order(self, key):
+            return self.count.get(key, 0.0)
+
+        def group(self, key):
+            return key[0]
+
+        def biases(self, n_groups):
+            row = self.rows[self.row][:n_groups]
+            return tuple(list(row)) if self.fresh else row
+
+    rng = random.Random(5)
+    rows = [tuple(float(rng.randint(-3, 3)) for _ in range(4)) for _ in range(5)]
+    for fresh in (False, True):
+        table = SlotTable(6, Cycling(rows, fresh))
+        for op in range(600):
+            key = (rng.randrange(4), rng.randrange(5))
+            if rng.random() < 0.5:
+                table.use(key)
+            elif key not in table:
+                table.allocate(key, "demand", in_flight=rng.random() < 0.2)
+            if rng.random() < 0.2:
+                table.set_pins([(rng.randrange(4), rng.randrange(5)) for _ in range(2)])
+            if table.in_flight and rng.random() < 0.3:
+                table.mark_ready(sorted(table.in_flight)[0])
+            table.check()
+        assert table.evictions > 50
+
+
 def random_trace(rng, n_steps, layers, n_experts, top_k, lookahead):
     accesses, predictions = [], {}
     for step in range(n_steps):
