@@ -62,15 +62,11 @@ def resident_cap(source, args: ModelArgs, device: torch.device, cpu_mem: int | N
         log("note: --cpu-mem caps host memory for offloaded experts; nothing is offloaded in this run")
         return None
     total = len(args.moe_layer_ids) * args.n_routed_experts * source.layout.blob_bytes
-    if not source.mapped:
-        if total > cpu_mem:
-            from .expert_cache_dir import ENV
+    from .offload.host_memory import ResidentCap, check_packed_fits
 
-            raise UserError(f"--cpu-mem {format_bytes(cpu_mem)} is below the {format_bytes(total)} of "
-                            f"{source.fmt.name} expert blobs this run packs in memory: let the expert cache serve "
-                            f"them from disk (drop {ENV}=off, or free disk room for it) or raise --cpu-mem")
+    if not source.mapped:
+        check_packed_fits(cpu_mem, total, source.fmt.name)
         return None
-    from .offload.host_memory import ResidentCap
 
     log(f"routed experts: {format_bytes(total)} of {source.fmt.name} blobs, mmap; --cpu-mem {format_bytes(cpu_mem)} "
         f"bounds their resident pages (the least recently used are dropped)")

@@ -78,6 +78,18 @@ class BackgroundPinner:
         self.thread.join(timeout)
 
 
+def check_packed_fits(cap: int | None, total: int, fmt_name: str) -> None:
+    """--cpu-mem against expert blobs packed in memory at load (they cannot be dropped): a one-line error when
+    they exceed it."""
+    if cap is not None and total > cap:
+        from ..expert_cache_dir import ENV
+        from ..utils import format_bytes
+
+        raise UserError(f"--cpu-mem {format_bytes(cap)} is below the {format_bytes(total)} of {fmt_name} expert "
+                        f"blobs this run packs in memory: let the expert cache serve them from disk (drop "
+                        f"{ENV}=off, or free disk room for it) or raise --cpu-mem")
+
+
 class HotExperts:
     """--cpu-mem below a mapped tier's size: the most used experts pinned, up to `capacity` of them, the rest served
     from the map. After each prompt (`update`, called where nothing reads the host tier: no copy being issued, no

@@ -116,12 +116,9 @@ def host_tier(source: ExpertSource, layers, device, total: int, cap: int | None,
     cuda = device.type == "cuda"
     blob_bytes = source.layout.blob_bytes
     if not source.mapped:
-        if cap is not None and total > cap:
-            from ..expert_cache_dir import ENV
+        from .host_memory import check_packed_fits
 
-            raise UserError(f"--cpu-mem {format_bytes(cap)} is below the {format_bytes(total)} of {source.fmt.name} "
-                            f"expert blobs this run packs in memory: let the expert cache serve them from disk "
-                            f"(drop {ENV}=off, or free disk room for it) or raise --cpu-mem")
+        check_packed_fits(cap, total, source.fmt.name)
         return _packed_tier(source, layers, total, pin=cuda and total <= available, log=log)
     blobs = {layer: source.layer_blobs(layer) for layer in layers}
     fits = total <= available and (cap is None or total <= cap)
