@@ -25,6 +25,7 @@ gaussian, FP8-rounded gaussian and heavy-tailed (Student t, 4 d.o.f.) weights at
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -117,8 +118,7 @@ def child(src: str, dst: str, fmt: str, fast: bool, workers: int, device: str) -
         memory = _MemoryReader(reader, [expert_tensor_name(layer, e, p) for layer, e in jobs for p in PROJECTIONS])
     with ck._one_torch_thread_each(n_workers, dev):
         t0, c0 = time.perf_counter(), time.process_time()
-        for _ in ck.pack_experts(memory, jobs, plan.fmt, plan.layout, dev, n_workers):
-            pass
+        collections.deque(ck.pack_experts(memory, jobs, plan.fmt, plan.layout, dev, n_workers), maxlen=0)  # drained
         arithmetic, arithmetic_cpu = time.perf_counter() - t0, time.process_time() - c0
     print(json.dumps({"experts": len(jobs), "total": total, "dense": phase["dense"], "pipeline": phase["experts"],
                       "arithmetic": arithmetic, "pipeline_cpu": phase["experts_cpu"], "arithmetic_cpu": arithmetic_cpu,
@@ -229,8 +229,8 @@ def main() -> None:
           "| pipeline CPU s/expert | arithmetic CPU s/expert | CPU overhead | dense phase s | total s "
           "| peak RSS GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(row_text(row, r) for row, r in rows))
-    print("\n| source | experts | --fast | pipeline: read s/expert (workers, summed) | write s/expert | fsync s/expert |"
-          "\n|---|---|---|---|---|---|")
+    print("\n| source | experts | --fast | pipeline: read s/expert (workers, summed) | write s/expert "
+          "| fsync s/expert |\n|---|---|---|---|---|---|")
     for row, r in rows:
         source, fmt, *flag = row.split(":")
         n = r["experts"]

@@ -93,6 +93,22 @@ def test_background_pinning_stops_at_a_failure_with_one_line():
     assert torch.equal(host.layers[1], torch.zeros(2, 64, dtype=torch.uint8))
 
 
+def _int4_checkpoint(tmp_path, monkeypatch):
+    """(checkpoint path, load keywords, its resident int4 engine, blob bytes): a tiny V3 with int4 experts served
+    from an expert cache under tmp_path, CPU."""
+    import dsv3lite
+    from dsv3lite import expert_cache_dir
+    from dsv3lite.testing import write_checkpoint
+
+    monkeypatch.setenv(expert_cache_dir.ENV, str(tmp_path / "cache"))
+    path = write_checkpoint(tmp_path / "m", "v3")
+    kw = dict(device="cpu", experts="int4", ctx_size=128, mtp=False, progress=False, log=lambda m: None)
+    resident = dsv3lite.load(path, **kw)
+    resident.stop_ids = set()
+    blob = next(m for m in resident.model.modules() if hasattr(m, "blobs")).blobs.shape[1]
+    return path, kw, resident, blob
+
+
 # --- --cpu-mem below the tier: the most used experts pinned (CUDA), resident pages bounded (CPU) -----------------
 
 def _mapped_store(n_layers=2, n_experts=4, blob=64):
@@ -159,15 +175,10 @@ def test_hot_experts_stop_at_a_pin_failure_with_one_line_and_keep_serving():
 
 def test_offloaded_tokens_do_not_change_while_the_most_used_experts_are_pinned(tmp_path, monkeypatch):
     import dsv3lite
-    from dsv3lite import expert_cache_dir
     from dsv3lite.offload.host_memory import HotExperts
-    from dsv3lite.testing import offload_budget, write_checkpoint
+    from dsv3lite.testing import offload_budget
 
-    monkeypatch.setenv(expert_cache_dir.ENV, str(tmp_path / "cache"))
-    path = write_checkpoint(tmp_path / "m", "v3")
-    kw = dict(device="cpu", experts="int4", ctx_size=128, mtp=False, progress=False, log=lambda m: None)
-    resident = dsv3lite.load(path, **kw)
-    resident.stop_ids = set()
+    path, kw, resident, _ = _int4_checkpoint(tmp_path, monkeypatch)
     prompts = ["hot experts", "a second prompt, longer than the first one"]
     expected = [[c.token_id for c in resident.generate(p, max_tokens=8)] for p in prompts]
     llm = dsv3lite.load(path, gpu_mem=offload_budget(path, 8, "int4", ctx=128, mtp=False), miss_policy="cpu", **kw)
@@ -262,18 +273,10 @@ def test_host_tier_follows_cpu_mem_and_host_ram(monkeypatch):
 
 def test_cpu_mem_on_the_cpu_bounds_the_mapped_experts_and_tokens_do_not_change(tmp_path, monkeypatch):
     import dsv3lite
-    from dsv3lite import expert_cache_dir
-    from dsv3lite.config import ModelArgs
-    from dsv3lite.experts import expert_source
-    from dsv3lite.testing import offload_budget, write_checkpoint
+    from dsv3lite.testing import offload_budget
 
-    monkeypatch.setenv(expert_cache_dir.ENV, str(tmp_path / "cache"))
-    path = write_checkpoint(tmp_path / "m", "v3")
-    kw = dict(device="cpu", experts="int4", ctx_size=128, mtp=False, progress=False, log=lambda m: None)
-    resident = dsv3lite.load(path, **kw)
-    resident.stop_ids = set()
+    path, kw, resident, blob = _int4_checkpoint(tmp_path, monkeypatch)
     expected = [c.token_id for c in resident.generate("bounded pages", max_tokens=10)]
-    blob = expert_source(path, ModelArgs.from_dir(path), "int4", True).layout.blob_bytes
     lines = []
     llm = dsv3lite.load(path, gpu_mem=offload_budget(path, 8, "int4", ctx=128, mtp=False), miss_policy="cpu",
                         cpu_mem=6 * blob, **{**kw, "log": lines.append})
@@ -289,17 +292,9 @@ def test_cpu_mem_bounds_resident_experts_on_the_cpu(tmp_path, monkeypatch):
     packed in memory beyond the cap are a one-line error."""
     import dsv3lite
     from dsv3lite import expert_cache_dir
-    from dsv3lite.config import ModelArgs
-    from dsv3lite.experts import expert_source
-    from dsv3lite.testing import write_checkpoint
 
-    monkeypatch.setenv(expert_cache_dir.ENV, str(tmp_path / "cache"))
-    path = write_checkpoint(tmp_path / "m", "v3")
-    kw = dict(device="cpu", experts="int4", ctx_size=128, mtp=False, progress=False, log=lambda m: None)
-    plain = dsv3lite.load(path, **kw)
-    plain.stop_ids = set()
+    path, kw, plain, blob = _int4_checkpoint(tmp_path, monkeypatch)
     expected = [c.token_id for c in plain.generate("bounded", max_tokens=10)]
-    blob = expert_source(path, ModelArgs.from_dir(path), "int4", True).layout.blob_bytes
     capped = dsv3lite.load(path, cpu_mem=5 * blob, **kw)
     capped.stop_ids = set()
     assert [c.token_id for c in capped.generate("bounded", max_tokens=10)] == expected
