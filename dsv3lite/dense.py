@@ -28,6 +28,7 @@ from torch import nn
 
 from .errors import UserError
 from .footprint import DENSE_DTYPES
+from .kernels.cpu_experts import MAX_GROUPS
 from .kernels.cpu_linear import GROUP, linear_forward
 from .quant.fp8 import BLOCK as FP8_BLOCK
 from .utils import format_bytes
@@ -213,6 +214,15 @@ class PackedLinear(nn.Module):
         y = packed_matmul(x.reshape(-1, self.in_features), self.fmt, self.out_features, self.packed, self.scale,
                           self.zero, self.backend)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def cpu_matrix(self):
+        """(format, out, in, (weight, scale, zero)) for the CPU kernels' row dots (kernels/cpu_decode.py), or None
+        when they cannot read it."""
+        parts = (self.packed, self.scale, self.zero)
+        if self.backend != "cpu" or -(-self.in_features // GROUP) > MAX_GROUPS \
+                or not all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in parts):
+            return None
+        return self.fmt, self.out_features, self.in_features, parts
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.fmt}" + (", gpu" if self.backend == "gpu" else "")

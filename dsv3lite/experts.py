@@ -120,6 +120,14 @@ class BlobExperts(nn.Module):
             return fused_moe(x, ids, weights, self.slot_table, self.blobs, self.layout)
         return combine_experts(self.expert, x, ids, weights)
 
+    def cpu_blobs(self):
+        """(blob addresses [E], layout descriptor, tensors read) for the CPU decode step (kernels/cpu_decode.py),
+        or None: not on the CPU, no compiled kernel for the layout, or --cpu-mem tracking each read."""
+        if self.resident_cap is not None or self.blobs.device.type != "cpu" or not cpu_experts.available(self.layout):
+            return None
+        return (cpu_experts.blob_pointers(self.blobs, self.blobs.shape[0], self.layout),
+                cpu_experts.layout_desc(self.layout), [self.blobs])
+
     def _cpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """All selected experts in one kernel call (its work buffers persist between calls)."""
         base = self.blobs.data_ptr()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs
+from .kernels import cpu_decode, cpu_experts
 from .kernels.mla_decode import mla_attend
 
 # q_a_layernorm / kv_a_layernorm use 1e-6 whatever the config says (as the hub code and transformers do)
@@ -410,6 +411,12 @@ class RoutedExperts(nn.Module):
             out = t if out is None else out + t
         return out
 
+    def cpu_blobs(self):
+        """(expert addresses [E], descriptor, tensors read) for the CPU decode step (kernels/cpu_decode.py): the
+        three stacked fp32 tensors read as one blob per expert; None for other dtypes or devices."""
+        found = cpu_experts.dense_experts(self.w1, self.w3, self.w2)
+        return None if found is None else (*found, [self.w1, self.w3, self.w2])
+
     def _transposed(self):
         """w1, w3, w2 transposed, the operands of x @ W^T: stacked [E, D, I], [E, D, I], [E, I, D], or in inference
         mode per-expert lists kept between decode steps."""
@@ -528,10 +535,18 @@ class Block(nn.Module):
         self.prepared = None        # (h, ffn_norm(h)) computed ahead for this very h (offload/predictor.py)
 
     def attention(self, h, start, cos, sin, cache=None, absorb=False):
+        if absorb and h.device.type == "cpu":               # a CPU decode step: one kernel call (kernels/cpu_decode.py)
+            out = cpu_decode.attention(self, h, start, cos, sin, cache)
+            if out is not None:
+                return out
         return h + self.attn(self.attn_norm(h), start, cos, sin, cache, absorb)
 
     def feed_forward(self, h):
         pre, self.prepared = self.prepared, None
+        if pre is None and h.device.type == "cpu" and (not self.is_moe or self.ffn.prepared is None):
+            out = cpu_decode.feed_forward(self, h)
+            if out is not None:
+                return out
         return h + self.ffn(pre[1] if pre is not None and pre[0] is h else self.ffn_norm(h))
 
     def forward(self, h, start, cos, sin, cache=None, absorb=False):

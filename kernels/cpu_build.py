@@ -28,7 +28,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping
 # the int4 quantizer also has an AVX-512 build of its code, run where the CPU has AVX-512 (the same bits); a compiler
 # that refuses its target attribute gets this define and builds the AVX2 code alone
 NO_AVX512 = ("-DDSV3LITE_NO_AVX512",)
-ABI = 1                            # dsv3_cpu_abi() of a library these bindings fit
+ABI = 2                            # dsv3_cpu_abi() of a library these bindings fit
 
 _c_i64, _c_int, _c_ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -99,6 +99,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_moe.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int, _c_int]
     lib.dsv3_linear.restype = _c_int
     lib.dsv3_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int]
+    lib.dsv3_attention.restype = _c_int
+    lib.dsv3_attention.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_int]
+    lib.dsv3_ffn.restype = _c_int
+    lib.dsv3_ffn.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int]
     lib.dsv3_fp8_dequant.restype = _c_int
     lib.dsv3_fp8_dequant.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int]
     lib.dsv3_int4_quantize.restype = _c_int

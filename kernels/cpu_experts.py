@@ -63,6 +63,23 @@ def layout_desc(layout) -> torch.Tensor:
     return desc
 
 
+F32 = 4                               # the kernel's plain-fp32 weight format (dense experts, dense linears)
+
+
+def dense_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(addresses [E], descriptor [13]) that let the kernel read stacked fp32 experts w1 / w3 [E, I, D], w2 [E, D, I]
+    as one blob per expert: expert e's gate at w1[e], its up and down at constant offsets from there. None unless
+    all three are contiguous fp32 CPU tensors."""
+    if not all(w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous() for w in (w1, w3, w2)):
+        return None
+    e, inter, dim = w1.shape
+    base = w1.data_ptr()
+    ptrs = base + torch.arange(e, dtype=torch.int64) * w1.stride(0) * w1.element_size()
+    desc = torch.tensor([F32, 0, inter, dim, 0, -1, -1, w3.data_ptr() - base, -1, -1, w2.data_ptr() - base, -1, -1],
+                        dtype=torch.int64)
+    return ptrs, desc
+
+
 def blob_pointers(blobs, n_experts: int, layout) -> torch.Tensor:
     """int64 [E] addresses of each expert's blob (0: none) from a [E, blob_bytes] pool, a sequence or a mapping."""
     if isinstance(blobs, torch.Tensor):

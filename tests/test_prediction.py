@@ -62,8 +62,11 @@ def test_offloaded_mtp_layer_is_prefetched_and_next_token_predictions_are_scored
 def test_each_layer_routes_once_the_predictor_hands_its_exact_routing_to_the_layer(mtp_dir, monkeypatch):
     """Offloaded decode evaluates each layer's gate once, as resident decode does: the MoE reuses the predictor's
     exact norm and gate output instead of computing them again (the lookahead predictions are batched apart);
-    tokens unchanged."""
+    tokens unchanged. Resident decode on the eager path, whose gate is the module counted here (the CPU decode
+    step routes inside its kernel)."""
     from dsv3lite.model import Gate
+
+    monkeypatch.setenv("DSV3LITE_CPU_DECODE", "eager")
 
     calls = {"gate": 0}
     forward = Gate.forward

@@ -20,7 +20,7 @@
 
 namespace {
 
-enum Fmt : int64_t { BF16 = 0, FP8 = 1, INT4 = 2, INT8 = 3 };
+enum Fmt : int64_t { BF16 = 0, FP8 = 1, INT4 = 2, INT8 = 3, F32 = 4 };   // F32: plain fp32 weights (dense, the decode step)
 constexpr int MAX_TOK = 4;       // tokens per row pass
 constexpr int FP8_BLOCK = 128;
 #ifndef PREFETCH_BYTES
@@ -52,7 +52,7 @@ struct Act {
 struct ActSize {
   int64_t fmt, k, kp, groups, group;
   int64_t bytes() const {
-    if (fmt == BF16 || fmt == FP8) return ((k * 4 + 4 + 63) / 64) * 64;
+    if (fmt == BF16 || fmt == FP8 || fmt == F32) return ((k * 4 + 4 + 63) / 64) * 64;
     int64_t b = ((kp + 63) / 64) * 64 + ((groups * 8 + 63) / 64) * 64;
     if (fmt == INT8) b += ((kp + 63) / 64) * 64;
     return b;
@@ -70,7 +70,7 @@ inline ActSize act_size(int64_t fmt, int64_t k, int64_t group) {
 
 inline Act act_view(uint8_t* base, const ActSize& s) {
   Act a;
-  if (s.fmt == BF16 || s.fmt == FP8) {
+  if (s.fmt == BF16 || s.fmt == FP8 || s.fmt == F32) {
     a.f = reinterpret_cast<const float*>(base);
     if (s.fmt == FP8) a.unscale = a.f[s.k];
     return a;
@@ -96,6 +96,10 @@ inline int64_t int4_pos(int64_t j, int64_t g) {
 constexpr int FP8_X_EXP = 100;   // activations times 2^100 against weights times 2^-120, unless that overflows
 
 void prepare(const float* x, const ActSize& s, uint8_t* base) {
+  if (s.fmt == F32) {
+    std::memcpy(base, x, s.k * sizeof(float));
+    return;
+  }
   if (s.fmt == FP8) {
     float* f = reinterpret_cast<float*>(base);
     float amax = 0.f;
@@ -185,6 +189,26 @@ void row_bf16(const uint16_t* w, int64_t k, const Act* a, float* out) {
   for (int t = 0; t < NT; ++t) {
     float s = hsum(_mm256_add_ps(acc0[t], acc1[t]));
     for (int64_t j = full; j < k; ++j) s += bf16_to_f32(w[j]) * a[t].f[j];
+    out[t] = s;
+  }
+}
+
+template <int NT>
+void row_f32(const float* w, int64_t k, const Act* a, float* out) {
+  __m256 acc0[NT], acc1[NT];
+  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
+  int64_t full = k / 16 * 16;
+  for (int64_t c = 0; c < full; c += 16) {
+    prefetch(w + c);
+    __m256 w0 = _mm256_loadu_ps(w + c), w1 = _mm256_loadu_ps(w + c + 8);
+    for (int t = 0; t < NT; ++t) {
+      acc0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(a[t].f + c), acc0[t]);
+      acc1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(a[t].f + c + 8), acc1[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    float s = hsum(_mm256_add_ps(acc0[t], acc1[t]));
+    for (int64_t j = full; j < k; ++j) s += w[j] * a[t].f[j];
     out[t] = s;
   }
 }
@@ -345,6 +369,7 @@ struct Mat {
   int64_t row_bytes() const {
     switch (fmt) {
       case BF16: return k * 2;
+      case F32: return k * 4;
       case FP8: return k;
       case INT4: return groups() * group / 2;
       default: return groups() * group;
@@ -364,6 +389,9 @@ void rows_nt(const Mat& m, int64_t r0, int64_t r1, const Act* a, float* out, int
     switch (m.fmt) {
       case BF16:
         row_bf16<NT>(reinterpret_cast<const uint16_t*>(wr), m.k, a, res);
+        break;
+      case F32:
+        row_f32<NT>(reinterpret_cast<const float*>(wr), m.k, a, res);
         break;
       case FP8:
         row_fp8<NT>(wr, reinterpret_cast<const float*>(m.s) + (r / FP8_BLOCK) * fp8_cols, m.k, a, res);
@@ -466,7 +494,7 @@ constexpr int MAX_GROUPS = 1024;
 
 extern "C" {
 
-int dsv3_cpu_abi() { return 1; }
+int dsv3_cpu_abi() { return 2; }
 
 // Routed experts of one MoE layer for tokens x [T, D] fp32 with routing ids [T, K] int64 and weights [T, K] fp32.
 // ptrs [E]: address of expert e's blob (0: not computed here). Pairs (t, k) whose expert has a blob are grouped
@@ -634,6 +662,252 @@ int dsv3_fp8_dequant(const uint8_t* q, const float* s, uint16_t* out, int64_t n,
       }
     }
   });
+  return 0;
+}
+
+}  // extern "C"
+
+// ==== the CPU decode step: one block's attention, one block's feed-forward (kernels/cpu_decode.py) =============
+// model.py's Block.attention and Block.feed_forward for batch 1 on fp32 activations, a few tokens a call: absorbed
+// attention over the layer's latent cache, each token in turn; the feed-forward's row dots per token as above. So a
+// token's result does not depend on how many tokens share the call (MTP verification gets a decode step's bits).
+namespace {
+
+struct Lin {                       // one weight matrix [n, k] in a Mat format (F32 / BF16: a plain tensor)
+  int64_t fmt, n, k, group;
+  const void* w;
+  const void* s;
+  const void* z;
+};
+
+struct AttnDesc {
+  Lin wq_a, wq_b, wkv_a, wo;       // wq_a.w null: no q_lora (wq_b is then wq)
+  const float* attn_norm;
+  const float* q_norm;
+  const float* kv_norm;
+  const float* wkv_b;              // [H * (dn + dv), kv_lora]
+  int64_t dim, heads, q_lora, dn, dr, dv, kv_lora, cache_dim, interleave;
+  float eps, latent_eps, softmax_scale, unused;
+};
+
+struct FfnDesc {
+  Lin w1, w3, w2;                  // the dense MLP, or the MoE layer's shared experts (w1.w null: none)
+  const float* norm;
+  const float* gate_w;             // router [E, D] fp32; null: a dense layer
+  const float* gate_bias;          // [E] or null
+  const int64_t* expert_ptrs;      // [E] blob addresses, as dsv3_moe's
+  const int64_t* expert_desc;      // [13], as dsv3_moe's
+  int64_t dim, n_experts, topk, n_group, topk_group, softmax, method, norm_topk;   // method: 0 greedy,
+  float eps, scaling;                                                             // 1 group-limited, 2 noaux_tc
+};
+
+constexpr int MAX_ROPE = 256;
+
+int linear(const Lin& l, const float* x, int64_t T, float* y, int threads) {
+  return dsv3_linear(x, T, l.k, l.fmt, l.group, l.n, l.w, l.s, l.z, y, threads);
+}
+
+float* floats(std::vector<uint8_t>& buf, int64_t n) { return reinterpret_cast<float*>(scratch(buf, n * 4)); }
+
+thread_local std::vector<uint8_t> tl_step, tl_head;
+
+float dot(const float* w, const float* x, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), a1);
+  }
+  float s = hsum(_mm256_add_ps(a0, a1));
+  for (; j < n; ++j) s += w[j] * x[j];
+  return s;
+}
+
+void axpy(float alpha, const float* w, float* y, int64_t n) {          // y += alpha * w
+  const __m256 a = _mm256_set1_ps(alpha);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(y + j, _mm256_fmadd_ps(a, _mm256_loadu_ps(w + j), _mm256_loadu_ps(y + j)));
+  for (; j < n; ++j) y[j] += alpha * w[j];
+}
+
+// RMSNorm as model.py's: statistics in fp32, then weight * (x * rsqrt(mean(x^2) + eps)); out may be x
+void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* out) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float ss = hsum(acc);
+  for (; j < n; ++j) ss += x[j] * x[j];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (j = 0; j < n; ++j) out[j] = w[j] * (x[j] * r);
+}
+
+// model.py's apply_rope for one vector of dr values: interleaved pairs (2i, 2i + 1) become [evens | odds] (or NeoX
+// halves), then x * cos + swap_halves(x) * sin with Rotary's tables cos = [c | c], sin = [-s | s]
+void rope(const float* x, const float* cos, const float* sin, int64_t dr, bool interleave, float* out) {
+  const int64_t half = dr / 2;
+  float tmp[MAX_ROPE];
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = interleave ? x[2 * i] : x[i], b = interleave ? x[2 * i + 1] : x[half + i];
+    tmp[i] = a * cos[i] + b * sin[i];
+    tmp[half + i] = b * cos[half + i] + a * sin[half + i];
+  }
+  std::memcpy(out, tmp, dr * sizeof(float));
+}
+
+// one head's absorbed attention over cache rows [0, T): q_abs = q_nope @ W_UK, scores over [latent | k_pe],
+// softmax, the latent-weighted sum, then @ W_UV^T -> o [dv]
+void attend_head(const AttnDesc& d, const float* wkv_b, const float* qn, const float* cache, int64_t T,
+                 const float* cos, const float* sin, float* o) {
+  const int64_t L = d.kv_lora, R = d.dr, C = d.cache_dim;
+  float* buf = floats(tl_head, 2 * L + R + T);
+  float *qf = buf, *ol = buf + L + R, *s = ol + L;
+  std::fill(qf, qf + L, 0.f);
+  for (int64_t i = 0; i < d.dn; ++i) axpy(qn[i], wkv_b + i * L, qf, L);
+  rope(qn + d.dn, cos, sin, R, d.interleave != 0, qf + L);
+  float m = -INFINITY;
+  for (int64_t t = 0; t < T; ++t) {
+    s[t] = dot(cache + t * C, qf, L + R) * d.softmax_scale;
+    m = std::max(m, s[t]);
+  }
+  float sum = 0.f;
+  for (int64_t t = 0; t < T; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  std::fill(ol, ol + L, 0.f);
+  for (int64_t t = 0; t < T; ++t) axpy(s[t] / sum, cache + t * C, ol, L);
+  for (int64_t v = 0; v < d.dv; ++v) o[v] = dot(wkv_b + (d.dn + v) * L, ol, L);
+}
+
+int attention_token(const AttnDesc& d, const float* h, float* out, int64_t pos, float* cache, const float* cos,
+                    const float* sin, int threads) {
+  const int64_t D = d.dim, H = d.heads, qk = d.dn + d.dr, L = d.kv_lora, R = d.dr;
+  const int64_t ql = d.wq_a.w ? d.q_lora : 0;
+  float* x = floats(tl_step, D + ql + H * qk + L + R + H * d.dv + D);
+  float *qa = x + D, *q = qa + ql, *kv = q + H * qk, *o = kv + L + R, *y = o + H * d.dv;
+  rmsnorm(h, d.attn_norm, D, d.eps, x);
+  int rc;
+  if (ql) {
+    if ((rc = linear(d.wq_a, x, 1, qa, threads))) return rc;
+    rmsnorm(qa, d.q_norm, ql, d.latent_eps, qa);
+    if ((rc = linear(d.wq_b, qa, 1, q, threads))) return rc;
+  } else if ((rc = linear(d.wq_b, x, 1, q, threads))) {
+    return rc;
+  }
+  if ((rc = linear(d.wkv_a, x, 1, kv, threads))) return rc;
+  float* row = cache + pos * d.cache_dim;                      // this token's cache row: [normed latent | k_pe]
+  rmsnorm(kv, d.kv_norm, L, d.latent_eps, row);
+  rope(kv + L, cos, sin, R, d.interleave != 0, row + L);
+  const int64_t T = pos + 1;
+  const int nthreads = thread_count(threads, H * ((d.dn + d.dv) * L + T * d.cache_dim * 2) * 4);
+  parallel_items(H, nthreads, [&](int64_t hd) {
+    attend_head(d, d.wkv_b + hd * (d.dn + d.dv) * L, q + hd * qk, cache, T, cos, sin, o + hd * d.dv);
+  });
+  if ((rc = linear(d.wo, o, 1, y, threads))) return rc;
+  for (int64_t j = 0; j < D; ++j) out[j] = h[j] + y[j];
+  return 0;
+}
+
+// indices of the k largest of v[0, n) (ties: the lower index), in descending order; v is consumed
+void top_k(float* v, int64_t n, int64_t k, int64_t* idx) {
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < n; ++e)
+      if (v[e] != -INFINITY && (best < 0 || v[e] > v[best])) best = e;
+    if (best < 0) {                                             // fewer than k finite values: the lowest unused
+      for (int64_t e = 0; e < n && best < 0; ++e)
+        if (std::find(idx, idx + j, e) == idx + j) best = e;
+    }
+    idx[j] = best;
+    v[best] = -INFINITY;
+  }
+}
+
+// model.py's Gate after its scores: bias-corrected choice, group limit, top k, weights from the unbiased scores
+void route(const FfnDesc& d, const float* sc, float* choice, int64_t* ids, float* w) {
+  const int64_t E = d.n_experts, K = d.topk, G = d.n_group;
+  for (int64_t e = 0; e < E; ++e) choice[e] = d.gate_bias ? sc[e] + d.gate_bias[e] : sc[e];
+  if (G > 1 && d.method != 0) {
+    const int64_t per = E / G;
+    float gs[1024];
+    int64_t keep[1024];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* c = choice + g * per;
+      if (d.method == 2) {                                      // noaux_tc: the sum of the group's top two
+        int64_t i1 = 0;
+        for (int64_t i = 1; i < per; ++i) if (c[i] > c[i1]) i1 = i;
+        int64_t i2 = i1 == 0 ? 1 : 0;
+        for (int64_t i = 0; i < per; ++i) if (i != i1 && c[i] > c[i2]) i2 = i;
+        gs[g] = per > 1 ? c[i1] + c[i2] : c[i1];
+      } else {
+        gs[g] = *std::max_element(c, c + per);
+      }
+    }
+    top_k(gs, G, d.topk_group, keep);
+    for (int64_t g = 0; g < G; ++g)
+      if (std::find(keep, keep + d.topk_group, g) == keep + d.topk_group)
+        std::fill(choice + g * per, choice + (g + 1) * per, -INFINITY);
+  }
+  top_k(choice, E, K, ids);
+  float sum = 0.f;
+  for (int64_t k = 0; k < K; ++k) sum += (w[k] = sc[ids[k]]);
+  for (int64_t k = 0; k < K; ++k) w[k] = (d.norm_topk ? w[k] / (sum + 1e-20f) : w[k]) * d.scaling;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Block.attention for T tokens at positions start.. (batch 1): out [T, D] = h + attention(attn_norm(h)); writes
+// the tokens' rows of cache [Tmax, cache_dim] (this layer's); cos / sin [T, dr] (Rotary's rows for the positions).
+int dsv3_attention(const AttnDesc* d, const float* h, float* out, int64_t T, int64_t start, float* cache,
+                   const float* cos, const float* sin, int threads) {
+  if (d->dr > MAX_ROPE || d->dr % 2) return -3;
+  for (int64_t t = 0; t < T; ++t) {
+    const int rc = attention_token(*d, h + t * d->dim, out + t * d->dim, start + t, cache, cos + t * d->dr,
+                                   sin + t * d->dr, threads);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+// Block.feed_forward for T tokens: out [T, D] = h + ffn(ffn_norm(h)), ffn the dense MLP, or the routed experts
+// (router, dsv3_moe) plus the shared experts; ids [T, K] and scores [T, E] receive the routing (MoE layers).
+int dsv3_ffn(const FfnDesc* d, const float* h, float* out, int64_t T, int64_t* ids, float* scores, int threads) {
+  const int64_t D = d->dim, E = d->n_experts, K = d->topk, I = d->w1.w ? d->w1.n : 0;
+  if (d->gate_w && (d->n_group > 1024 || K > E)) return -3;
+  float* x = floats(tl_step, T * (3 * D + 2 * I + E + K));
+  float *routed = x + T * D, *shared = routed + T * D, *g = shared + T * D, *u = g + T * I, *choice = u + T * I;
+  float* w = choice + T * E;
+  for (int64_t t = 0; t < T; ++t) rmsnorm(h + t * D, d->norm, D, d->eps, x + t * D);
+  int rc;
+  if (d->gate_w) {
+    const Lin gate{F32, E, D, 0, d->gate_w, nullptr, nullptr};
+    if ((rc = linear(gate, x, T, scores, threads))) return rc;
+    for (int64_t t = 0; t < T; ++t) {
+      float* s = scores + t * E;
+      if (d->softmax) {
+        const float m = *std::max_element(s, s + E);
+        float sum = 0.f;
+        for (int64_t e = 0; e < E; ++e) sum += (s[e] = std::exp(s[e] - m));
+        for (int64_t e = 0; e < E; ++e) s[e] /= sum;
+      } else {
+        for (int64_t e = 0; e < E; ++e) s[e] = 1.0f / (1.0f + std::exp(-s[e]));
+      }
+      route(*d, s, choice, ids + t * K, w + t * K);
+    }
+    if ((rc = dsv3_moe(x, T, ids, w, K, d->expert_ptrs, E, d->expert_desc, routed, 0, threads))) return rc;
+  }
+  if (I) {
+    if ((rc = linear(d->w1, x, T, g, threads)) || (rc = linear(d->w3, x, T, u, threads))) return rc;
+    for (int64_t j = 0; j < T * I; ++j) g[j] = silu(g[j]) * u[j];
+    if ((rc = linear(d->w2, g, T, shared, threads))) return rc;
+  }
+  for (int64_t j = 0; j < T * D; ++j)
+    out[j] = h[j] + (d->gate_w ? (I ? routed[j] + shared[j] : routed[j]) : shared[j]);
   return 0;
 }
 

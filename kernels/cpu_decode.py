@@ -1,0 +1,219 @@
+"""The CPU decode step: a block's attention and its feed-forward each in one call of the compiled kernels.
+
+A decode step of DeepSeek-V3 is 61 layers of a few dozen small operators each; on the CPU, eager PyTorch spends
+more time dispatching them than computing (about 0.8 ms per layer at V3's geometry and tiny widths, against
+0.16 ms for a llama.cpp graph). `attention` and `feed_forward` run model.py's `Block.attention` and
+`Block.feed_forward` for batch 1 and up to ABSORB_MAX_TOKENS tokens in one call each (kernels/csrc/cpu_kernels.cpp:
+`dsv3_attention`, `dsv3_ffn`):
+
+  attention     h + wo(absorbed attention over the layer's latent cache of [kv_norm(c) | rope(k_pe)]), the
+                query through wq_a / q_norm / wq_b (or wq), each token in turn (its cache row written first)
+  feed-forward  h + dense MLP, or h + routed experts (router: sigmoid or softmax scores, bias, group limit, top-k,
+                weights; the experts through dsv3_moe) + shared experts
+
+Their twin is the eager path itself (model.py, which runs wherever these return None): tests/test_cpu_decode.py
+compares the two. The linears go through dsv3_linear's row kernels (plain fp32 weights, or --dense packed ones),
+so a token's result does not depend on how many tokens share the call: MTP verification gets the bits of a plain
+decode step. Used when the compiled kernels are there, activations are fp32 on the CPU in inference mode, the
+attention is dense MLA (not V3.2's indexer) and the experts are resident (dense fp32, or blobs the CPU kernel
+reads); DSV3LITE_CPU_DECODE=eager turns it off (benchmarks, debugging).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+from torch import nn
+
+from . import cpu_build
+from .cpu_experts import F32
+from .cpu_linear import FMT_CODES, GROUP
+from ..limits import ABSORB_MAX_TOKENS
+TOPK_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("fmt", _i64), ("n", _i64), ("k", _i64), ("group", _i64), ("w", _ptr), ("s", _ptr), ("z", _ptr)]
+
+
+class _Attn(ctypes.Structure):
+    _fields_ = [("wq_a", _Lin), ("wq_b", _Lin), ("wkv_a", _Lin), ("wo", _Lin), ("attn_norm", _ptr), ("q_norm", _ptr),
+                ("kv_norm", _ptr), ("wkv_b", _ptr)] + \
+        [(f, _i64) for f in ("dim", "heads", "q_lora", "dn", "dr", "dv", "kv_lora", "cache_dim", "interleave")] + \
+        [(f, _f32) for f in ("eps", "latent_eps", "softmax_scale", "unused")]
+
+
+class _Ffn(ctypes.Structure):
+    _fields_ = [("w1", _Lin), ("w3", _Lin), ("w2", _Lin), ("norm", _ptr), ("gate_w", _ptr), ("gate_bias", _ptr),
+                ("expert_ptrs", _ptr), ("expert_desc", _ptr)] + \
+        [(f, _i64) for f in ("dim", "n_experts", "topk", "n_group", "topk_group", "softmax", "method", "norm_topk")] + \
+        [(f, _f32) for f in ("eps", "scaling")]
+
+
+def enabled() -> bool:
+    """False when DSV3LITE_CPU_DECODE=eager asks for the eager path (read at each call, so tests can switch it)."""
+    return os.environ.get("DSV3LITE_CPU_DECODE", "").strip().lower() != "eager"
+
+
+class _Plan:
+    """One block's descriptor (a ctypes struct, or None when the kernel cannot run it) and the tensors it points
+    into: rebuilt when any of them changes storage."""
+
+    def __init__(self, desc, tensors: list[torch.Tensor], extra=None):
+        self.desc, self.tensors, self.extra = desc, tensors, extra
+        self.key = [t.data_ptr() for t in tensors]
+        self.addr = ctypes.addressof(desc) if desc is not None else None
+
+    def valid(self) -> bool:
+        return [t.data_ptr() for t in self.tensors] == self.key
+
+
+def _plain(t: torch.Tensor | None) -> bool:
+    return t is not None and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def _lin(mod: nn.Module, keep: list[torch.Tensor]) -> _Lin | None:
+    """The kernel's view of one bias-free linear: a plain fp32 nn.Linear, or a module that describes its packed
+    weight (dense.PackedLinear.cpu_matrix, --dense)."""
+    describe = getattr(mod, "cpu_matrix", None)
+    if describe is not None:
+        found = describe()
+        if found is None:
+            return None
+        fmt, n, k, tensors = found
+        keep += [t for t in tensors if t is not None]
+        return _Lin(FMT_CODES[fmt], n, k, GROUP, *(None if t is None else t.data_ptr() for t in tensors))
+    if isinstance(mod, nn.Linear) and mod.bias is None and _plain(mod.weight):
+        keep.append(mod.weight)
+        return _Lin(F32, mod.weight.shape[0], mod.weight.shape[1], 0, mod.weight.data_ptr(), None, None)
+    return None
+
+
+def _norm(mod, keep: list[torch.Tensor]) -> int | None:
+    w = getattr(mod, "weight", None)
+    if not _plain(w):
+        return None
+    keep.append(w)
+    return w.data_ptr()
+
+
+def _attention_plan(block) -> _Plan:
+    attn, keep = block.attn, []
+    a = attn.args
+    if attn.indexer is not None:
+        return _Plan(None, [])
+    if a.q_lora_rank:
+        wq_a, wq_b, q_norm = _lin(attn.wq_a, keep), _lin(attn.wq_b, keep), _norm(attn.q_norm, keep)
+        ok = wq_a is not None and q_norm is not None and attn.q_norm.eps == attn.kv_norm.eps
+    else:
+        wq_a, wq_b, q_norm, ok = _Lin(), _lin(attn.wq, keep), None, True
+    wkv_a, wo = _lin(attn.wkv_a, keep), _lin(attn.wo, keep)
+    attn_norm, kv_norm = _norm(block.attn_norm, keep), _norm(attn.kv_norm, keep)
+    wkv_b = attn.wkv_b.weight if isinstance(attn.wkv_b, nn.Linear) else None
+    if not ok or None in (wq_b, wkv_a, wo, attn_norm, kv_norm) or not _plain(wkv_b):
+        return _Plan(None, keep)
+    keep.append(wkv_b)
+    desc = _Attn(wq_a, wq_b, wkv_a, wo, attn_norm, q_norm, kv_norm, wkv_b.data_ptr(), a.hidden_size,
+                 attn.n_heads, a.q_lora_rank or 0, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim,
+                 a.kv_lora_rank, a.cache_dim, int(a.rope_interleave), block.attn_norm.eps, attn.kv_norm.eps,
+                 a.softmax_scale, 0.0)
+    return _Plan(desc, keep)
+
+
+def _mlp(mod) -> bool:
+    return all(isinstance(getattr(mod, w, None), nn.Module) for w in ("w1", "w3", "w2"))
+
+
+def _ffn_plan(block) -> _Plan:
+    ffn, keep = block.ffn, []
+    norm = _norm(block.ffn_norm, keep)
+    mlp = ffn.shared_experts if block.is_moe else ffn
+    if norm is None or not _mlp(mlp):
+        return _Plan(None, keep)
+    lins = [_lin(m, keep) for m in (mlp.w1, mlp.w3, mlp.w2)]
+    if None in lins:
+        return _Plan(None, keep)
+    dim = block.ffn_norm.weight.numel()
+    if not block.is_moe:
+        return _Plan(_Ffn(*lins, norm, None, None, None, None, dim, 0, 0, 1, 1, 0, 0, 0, block.ffn_norm.eps, 1.0), keep)
+    gate, a = ffn.gate, ffn.gate.args
+    describe = getattr(ffn.experts, "cpu_blobs", None)          # resident providers: their blobs for dsv3_moe
+    experts = describe() if describe is not None else None
+    bias = gate.bias
+    if experts is None or not _plain(gate.weight) or (bias is not None and not _plain(bias)):
+        return _Plan(None, keep)
+    ptrs, desc, tensors = experts
+    keep += [gate.weight, *tensors] + ([bias] if bias is not None else [])
+    d = _Ffn(*lins, norm, gate.weight.data_ptr(), None if bias is None else bias.data_ptr(), ptrs.data_ptr(),
+             desc.data_ptr(), dim, a.n_routed_experts, a.num_experts_per_tok, a.n_group, a.topk_group,
+             int(a.scoring_func == "softmax"), TOPK_METHODS[a.topk_method], int(a.norm_topk_prob),
+             block.ffn_norm.eps, a.routed_scaling_factor)
+    return _Plan(d, keep, extra=(ptrs, desc))
+
+
+def _plan(block, slot: str, build) -> _Plan:
+    plan = block.__dict__.get(slot)
+    if plan is None or not plan.valid():
+        plan = block.__dict__[slot] = build(block)
+    return plan
+
+
+def _usable(h: torch.Tensor):
+    """The library, when the step may run for hidden states h [1, S, D]; else None."""
+    if h.device.type != "cpu" or h.dtype != torch.float32 or h.dim() != 3 or h.shape[0] != 1 \
+            or h.shape[1] > ABSORB_MAX_TOKENS or not torch.is_inference_mode_enabled() or not enabled():
+        return None
+    return cpu_build.library()
+
+
+def attention(block, h: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+              cache: torch.Tensor | None) -> torch.Tensor | None:
+    """Block.attention(h, start, cos, sin, cache, absorb=True) in one kernel call, or None (the eager path runs).
+    h [1, S, D]; cache [1, Tmax, cache_dim] (this layer's) gets the S tokens' rows; cos / sin [S, 1, dr]."""
+    lib = _usable(h)
+    if lib is None or cache is None:
+        return None
+    seqlen = h.shape[1]
+    if cache.dtype != torch.float32 or cache.shape[0] != 1 or not cache.is_contiguous() \
+            or start + seqlen > cache.shape[1] or not (cos.is_contiguous() and sin.is_contiguous()) \
+            or cos.dtype != torch.float32:
+        return None
+    plan = _plan(block, "_cpu_decode_attention", _attention_plan)
+    if plan.desc is None:
+        return None
+    h = h.contiguous()
+    out = torch.empty_like(h)
+    rc = lib.dsv3_attention(plan.addr, h.data_ptr(), out.data_ptr(), seqlen, start, cache.data_ptr(), cos.data_ptr(),
+                            sin.data_ptr(), 0)
+    if rc != 0:
+        raise ValueError(f"CPU attention kernel: error {rc}")
+    return out
+
+
+def feed_forward(block, h: torch.Tensor) -> torch.Tensor | None:
+    """Block.feed_forward(h) in one kernel call, or None (the eager path runs). MoE layers' routing observers are
+    called with the kernel's ids and scores, as MoE.forward calls them."""
+    lib = _usable(h)
+    if lib is None:
+        return None
+    plan = _plan(block, "_cpu_decode_ffn", _ffn_plan)
+    if plan.desc is None:
+        return None
+    seqlen = h.shape[1]
+    h = h.contiguous()
+    out = torch.empty_like(h)
+    moe = block.ffn if block.is_moe else None
+    ids = scores = None
+    if moe is not None:
+        ids = torch.empty(seqlen, plan.desc.topk, dtype=torch.int64)
+        scores = torch.empty(seqlen, plan.desc.n_experts)
+    rc = lib.dsv3_ffn(plan.addr, h.data_ptr(), out.data_ptr(), seqlen, None if ids is None else ids.data_ptr(),
+                      None if scores is None else scores.data_ptr(), 0)
+    if rc != 0:
+        raise ValueError(f"CPU feed-forward kernel: error {rc}")
+    if moe is not None:
+        for fn in moe.observers.routing:
+            fn(moe.layer_id, ids, scores)
+    return out

@@ -1,0 +1,237 @@
+"""The CPU decode step (kernels/cpu_decode.py: a block's attention and its feed-forward, one kernel call each)
+against its twin, the eager path, and against transformers; a call of several tokens against single steps; the
+cases it leaves to the eager path; DeepSeek-V3's routing geometry and its real widths."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dsv3lite
+from dsv3lite.config import ModelArgs
+from dsv3lite.kernels import cpu_build, cpu_decode
+from dsv3lite.loader import load_model
+from dsv3lite.model import Block, Rotary, as_dtype
+
+# a machine without a C++ compiler skips these; CI has one and must run them (a failed build fails there)
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(cpu_build.library() is None and not os.environ.get("CI"),
+                                 reason="no compiled CPU kernels here")]
+CPU = torch.device("cpu")
+PREFILL, STEPS = 8, 6
+
+
+class Spy:
+    """Counts the decode-step calls that ran the kernels (not None) and those left to the eager path."""
+
+    def __init__(self, monkeypatch):
+        self.ran = {"attention": 0, "feed_forward": 0}
+        self.declined = {"attention": 0, "feed_forward": 0}
+        for name in self.ran:
+            real = getattr(cpu_decode, name)
+            monkeypatch.setattr(cpu_decode, name, self._wrap(name, real))
+
+    def _wrap(self, name, real):
+        def call(*a, **kw):
+            out = real(*a, **kw)
+            (self.ran if out is not None else self.declined)[name] += 1
+            return out
+        return call
+
+
+def eager(monkeypatch, on: bool = True):
+    monkeypatch.setenv("DSV3LITE_CPU_DECODE", "eager" if on else "")
+
+
+def decode_logits(model, tokens: torch.Tensor, ctx: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill tokens[:, :PREFILL] (eager: more than ABSORB_MAX_TOKENS), then one decode step per further token.
+    -> (logits of the decode steps [steps, V], the cache)."""
+    args = model.args
+    cache = torch.zeros(len(model.blocks()), 1, ctx, args.cache_dim)
+    out = []
+    with torch.inference_mode():
+        model.hidden(tokens[:, :PREFILL], 0, cache[:args.num_hidden_layers])
+        for i in range(PREFILL, tokens.shape[1]):
+            out.append(model(tokens[:, i:i + 1], i, cache[:args.num_hidden_layers], absorb=True)[0, -1])
+    return torch.stack(out), cache
+
+
+def prompt(n=PREFILL + STEPS, vocab=400, seed=0):
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("variant", ["v3", "v2lite", "v2", "moonlight"])
+def test_decode_steps_match_transformers(ckpt_factory, monkeypatch, variant):
+    from transformers import AutoModelForCausalLM
+
+    path = ckpt_factory(variant)
+    x = prompt()
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+        expected = hf(x).logits[0, PREFILL:]
+    spy = Spy(monkeypatch)
+    model = load_model(path, CPU, torch.float32, progress=False, log=lambda m: None)
+    got, _ = decode_logits(model, x)
+    n_layers = model.args.num_hidden_layers
+    assert spy.ran == {"attention": STEPS * n_layers, "feed_forward": STEPS * n_layers}, spy.ran
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+ENGINES = {                                     # dsv3lite.load options: expert formats x packed dense formats
+    "fp32": {},
+    "bf16 experts": dict(experts="bf16"),
+    "int4 experts, int4 dense": dict(experts="int4", dense="int4"),
+    "int8 experts, int8 dense": dict(experts="int8", dense="int8"),
+    "fp8 experts, fp8 dense": dict(experts="fp8", dense="fp8"),
+    "bf16 dense": dict(dense="bf16"),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(v3_dir):
+    made = {}
+
+    def get(label):
+        if label not in made:
+            made[label] = dsv3lite.load(str(v3_dir), device="cpu", ctx_size=64, mtp=False, progress=False,
+                                        log=lambda m: None, **ENGINES[label])
+            made[label].stop_ids = set()
+        return made[label]
+    return get
+
+
+def greedy(llm, n=12):
+    llm.reset()
+    return [c.token_id for c in llm.generate(prompt(6)[0].tolist(), max_tokens=n)]
+
+
+@pytest.mark.parametrize("label", list(ENGINES))
+def test_the_kernel_step_matches_the_eager_step(engines, monkeypatch, label):
+    llm = engines(label)
+    spy = Spy(monkeypatch)
+    x = prompt()
+    eager(monkeypatch)
+    want, want_cache = decode_logits(llm.model, x)
+    want_tokens = greedy(llm)
+    assert spy.ran == {"attention": 0, "feed_forward": 0}
+    eager(monkeypatch, False)
+    got, got_cache = decode_logits(llm.model, x)
+    assert spy.ran["attention"] == spy.ran["feed_forward"] == STEPS * llm.args.num_hidden_layers
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got_cache, want_cache, atol=1e-5, rtol=1e-5)      # the rows the steps wrote
+    assert greedy(llm) == want_tokens
+
+
+def test_a_call_of_several_tokens_gives_each_token_its_own_steps_bits(engines):
+    """MTP verification runs 2..4 tokens in one forward: each gets exactly the bits a plain decode step gives it."""
+    model = engines("int4 experts, int4 dense").model
+    args = model.args
+    x = prompt(PREFILL + 3)
+    caches, hidden = [], []
+    for split in ([3], [1, 1, 1]):
+        cache = torch.zeros(args.num_hidden_layers, 1, 64, args.cache_dim)
+        with torch.inference_mode():
+            model.hidden(x[:, :PREFILL], 0, cache)
+            pos, out = PREFILL, []
+            for n in split:
+                out.append(model.hidden(x[:, pos:pos + n], pos, cache, absorb=True)[0])
+                pos += n
+        caches.append(cache)
+        hidden.append(torch.cat(out))
+    assert torch.equal(hidden[0], hidden[1]) and torch.equal(caches[0], caches[1])
+
+
+def test_routing_observers_see_the_kernels_routing(engines, monkeypatch):
+    model = engines("bf16 experts").model
+    seen = {}
+    handle = model.add_observer(on_routing=lambda layer, ids, scores: seen.setdefault(mode, []).append(
+        (layer, sorted(ids[0].tolist()), scores.clone())))
+    try:
+        for mode in ("eager", "kernel"):
+            eager(monkeypatch, mode == "eager")
+            decode_logits(model, prompt())
+    finally:
+        handle.remove()
+    assert len(seen["kernel"]) == len(seen["eager"]) > 0
+    step = [r for r in seen["eager"] if r[2].shape[0] == 1]           # the decode steps (the prefill is eager)
+    kernel_steps = [r for r in seen["kernel"] if r[2].shape[0] == 1]
+    assert [(layer, ids) for layer, ids, _ in kernel_steps] == [(layer, ids) for layer, ids, _ in step]
+    for (_, _, a), (_, _, b) in zip(kernel_steps, step):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_cases_the_kernels_leave_to_the_eager_path(ckpt_factory, engines, monkeypatch):
+    llm = engines("fp32")
+    block = llm.model.layers[1]
+    cos, sin = (as_dtype(t, torch.float32)[:, None] for t in llm.model.rotary(5, 1, CPU))
+    h = torch.randn(1, 1, llm.args.hidden_size)
+    cache = torch.zeros(1, 64, llm.args.cache_dim)
+    with torch.inference_mode():
+        assert cpu_decode.attention(block, h, 5, cos, sin, cache) is not None
+        assert cpu_decode.feed_forward(block, h) is not None
+        assert cpu_decode.attention(block, h, 64, cos, sin, cache) is None          # past the cache: eager raises
+        assert cpu_decode.attention(block, h.to(torch.bfloat16), 5, cos, sin, cache) is None
+        assert cpu_decode.feed_forward(block, torch.randn(1, 5, llm.args.hidden_size)) is None   # a prefill chunk
+        eager(monkeypatch)
+        assert cpu_decode.feed_forward(block, h) is None
+    eager(monkeypatch, False)
+    assert cpu_decode.feed_forward(block, h) is None                  # autograd sees the eager operators
+    monkeypatch.setenv("DSV3LITE_CPU_KERNELS", "ref")
+    with torch.inference_mode():
+        assert cpu_decode.feed_forward(block, h) is None              # the PyTorch twins, everywhere
+    monkeypatch.delenv("DSV3LITE_CPU_KERNELS")
+    # V3.2's indexer keeps its attention eager; its feed-forward still takes the kernel
+    v32 = load_model(ckpt_factory("v32"), CPU, torch.float32, progress=False, log=lambda m: None)
+    cache = torch.zeros(1, 64, v32.args.cache_dim)
+    with torch.inference_mode():
+        assert cpu_decode.attention(v32.layers[1], h, 5, cos, sin, cache) is None
+        assert cpu_decode.feed_forward(v32.layers[1], h) is not None
+
+
+def test_v3_geometry_decode_equals_the_eager_path(tmp_path, monkeypatch):
+    """61 layers, 256 experts, top-8 within 4 of 8 groups: tokens and logits against the eager path."""
+    from dsv3lite.testing import write_geometry_checkpoint
+
+    path = write_geometry_checkpoint(tmp_path / "g", hidden_size=32, moe_intermediate_size=16, intermediate_size=64,
+                                     q_lora_rank=16, kv_lora_rank=16)
+    model = load_model(path, CPU, torch.float32, progress=False, log=lambda m: None)
+    x = prompt()
+    eager(monkeypatch)
+    want, _ = decode_logits(model, x)
+    eager(monkeypatch, False)
+    spy = Spy(monkeypatch)
+    got, _ = decode_logits(model, x)
+    assert spy.ran["feed_forward"] == STEPS * 61
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_block_at_deepseek_v3_widths(monkeypatch):
+    """One MoE block at V3's widths (hidden 7168, 128 heads, q/kv lora 1536/512, experts 2048 wide; 4 routed
+    experts so it fits a test) with 2 threads, over 100 positions of context: the kernel against the eager path."""
+    args = ModelArgs(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                     n_group=2, topk_group=1, vocab_size=64)
+    torch.manual_seed(0)
+    block = Block(args, 1)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.uniform_(-1, 1).mul_(1.0 if "norm" in name else p.shape[-1] ** -0.5)
+        block.ffn.gate.bias.uniform_(-0.05, 0.05)
+    rotary = Rotary(args)
+    cache = torch.randn(1, 128, args.cache_dim) * 0.5
+    h = torch.randn(1, 1, args.hidden_size)
+    outs = {}
+    torch.set_num_threads(2)
+    try:
+        for mode in ("eager", "kernel"):
+            eager(monkeypatch, mode == "eager")
+            c = cache.clone()
+            with torch.inference_mode():
+                cos, sin = (t[:, None] for t in rotary(100, 1, CPU))
+                a = block.attention(h, 100, cos, sin, c, absorb=True)
+                outs[mode] = (a, block.feed_forward(a), c[:, :101])
+    finally:
+        torch.set_num_threads(1)
+    for got, want in zip(outs["kernel"], outs["eager"]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
