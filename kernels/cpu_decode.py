@@ -7,7 +7,8 @@ more time dispatching them than computing (about 0.8 ms per layer at V3's geomet
 `dsv3_attention`, `dsv3_ffn`):
 
   attention     h + wo(absorbed attention over the layer's latent cache of [kv_norm(c) | rope(k_pe)]), the
-                query through wq_a / q_norm / wq_b (or wq), each token in turn (its cache row written first)
+                query through wq_a / q_norm / wq_b (or wq); the projections of all the call's tokens at once (the
+                weights read once), their cache rows written, then each token over the rows up to its own
   feed-forward  h + dense MLP, or h + routed experts (router: sigmoid or softmax scores, bias, group limit, top-k,
                 weights; the experts through dsv3_moe) + shared experts
 

@@ -669,8 +669,8 @@ int dsv3_fp8_dequant(const uint8_t* q, const float* s, uint16_t* out, int64_t n,
 
 // ==== the CPU decode step: one block's attention, one block's feed-forward (kernels/cpu_decode.py) =============
 // model.py's Block.attention and Block.feed_forward for batch 1 on fp32 activations, a few tokens a call: absorbed
-// attention over the layer's latent cache, each token in turn; the feed-forward's row dots per token as above. So a
-// token's result does not depend on how many tokens share the call (MTP verification gets a decode step's bits).
+// attention over the layer's latent cache, each token over the rows up to its own; the row dots per token as above.
+// So a token's result does not depend on how many tokens share the call (MTP verification gets a decode step's bits).
 namespace {
 
 struct Lin {                       // one weight matrix [n, k] in a Mat format (F32 / BF16: a plain tensor)
@@ -782,32 +782,38 @@ void attend_head(const AttnDesc& d, const float* wkv_b, const float* qn, const f
   for (int64_t v = 0; v < d.dv; ++v) o[v] = dot(wkv_b + (d.dn + v) * L, ol, L);
 }
 
-int attention_token(const AttnDesc& d, const float* h, float* out, int64_t pos, float* cache, const float* cos,
-                    const float* sin, int threads) {
-  const int64_t D = d.dim, H = d.heads, qk = d.dn + d.dr, L = d.kv_lora, R = d.dr;
+// Block.attention for T tokens at positions start..start + T - 1: the projections for all T at once (weights read once;
+// each token's row dots as in a call of its own), every token's cache row, then each token attends to the rows up
+// to its own position
+int attention(const AttnDesc& d, const float* h, float* out, int64_t T, int64_t start, float* cache,
+              const float* cos, const float* sin, int threads) {
+  const int64_t D = d.dim, H = d.heads, qk = d.dn + d.dr, L = d.kv_lora, R = d.dr, C = d.cache_dim;
   const int64_t ql = d.wq_a.w ? d.q_lora : 0;
-  float* x = floats(tl_step, D + ql + H * qk + L + R + H * d.dv + D);
-  float *qa = x + D, *q = qa + ql, *kv = q + H * qk, *o = kv + L + R, *y = o + H * d.dv;
-  rmsnorm(h, d.attn_norm, D, d.eps, x);
+  float* x = floats(tl_step, T * (D + ql + H * qk + L + R + H * d.dv + D));
+  float *qa = x + T * D, *q = qa + T * ql, *kv = q + T * H * qk, *o = kv + T * (L + R), *y = o + T * H * d.dv;
+  for (int64_t t = 0; t < T; ++t) rmsnorm(h + t * D, d.attn_norm, D, d.eps, x + t * D);
   int rc;
   if (ql) {
-    if ((rc = linear(d.wq_a, x, 1, qa, threads))) return rc;
-    rmsnorm(qa, d.q_norm, ql, d.latent_eps, qa);
-    if ((rc = linear(d.wq_b, qa, 1, q, threads))) return rc;
-  } else if ((rc = linear(d.wq_b, x, 1, q, threads))) {
+    if ((rc = linear(d.wq_a, x, T, qa, threads))) return rc;
+    for (int64_t t = 0; t < T; ++t) rmsnorm(qa + t * ql, d.q_norm, ql, d.latent_eps, qa + t * ql);
+    if ((rc = linear(d.wq_b, qa, T, q, threads))) return rc;
+  } else if ((rc = linear(d.wq_b, x, T, q, threads))) {
     return rc;
   }
-  if ((rc = linear(d.wkv_a, x, 1, kv, threads))) return rc;
-  float* row = cache + pos * d.cache_dim;                      // this token's cache row: [normed latent | k_pe]
-  rmsnorm(kv, d.kv_norm, L, d.latent_eps, row);
-  rope(kv + L, cos, sin, R, d.interleave != 0, row + L);
-  const int64_t T = pos + 1;
-  const int nthreads = thread_count(threads, H * ((d.dn + d.dv) * L + T * d.cache_dim * 2) * 4);
-  parallel_items(H, nthreads, [&](int64_t hd) {
-    attend_head(d, d.wkv_b + hd * (d.dn + d.dv) * L, q + hd * qk, cache, T, cos, sin, o + hd * d.dv);
+  if ((rc = linear(d.wkv_a, x, T, kv, threads))) return rc;
+  for (int64_t t = 0; t < T; ++t) {                  // the tokens' cache rows: [normed latent | k_pe]
+    float* row = cache + (start + t) * C;
+    rmsnorm(kv + t * (L + R), d.kv_norm, L, d.latent_eps, row);
+    rope(kv + t * (L + R) + L, cos + t * R, sin + t * R, R, d.interleave != 0, row + L);
+  }
+  const int nthreads = thread_count(threads, T * H * ((d.dn + d.dv) * L + (start + T) * C * 2) * 4);
+  parallel_items(T * H, nthreads, [&](int64_t item) {
+    const int64_t t = item / H, hd = item % H;
+    attend_head(d, d.wkv_b + hd * (d.dn + d.dv) * L, q + (t * H + hd) * qk, cache, start + t + 1, cos + t * R,
+                sin + t * R, o + (t * H + hd) * d.dv);
   });
-  if ((rc = linear(d.wo, o, 1, y, threads))) return rc;
-  for (int64_t j = 0; j < D; ++j) out[j] = h[j] + y[j];
+  if ((rc = linear(d.wo, o, T, y, threads))) return rc;
+  for (int64_t j = 0; j < T * D; ++j) out[j] = h[j] + y[j];
   return 0;
 }
 
@@ -866,12 +872,7 @@ extern "C" {
 int dsv3_attention(const AttnDesc* d, const float* h, float* out, int64_t T, int64_t start, float* cache,
                    const float* cos, const float* sin, int threads) {
   if (d->dr > MAX_ROPE || d->dr % 2) return -3;
-  for (int64_t t = 0; t < T; ++t) {
-    const int rc = attention_token(*d, h + t * d->dim, out + t * d->dim, start + t, cache, cos + t * d->dr,
-                                   sin + t * d->dr, threads);
-    if (rc) return rc;
-  }
-  return 0;
+  return attention(*d, h, out, T, start, cache, cos, sin, threads);
 }
 
 // Block.feed_forward for T tokens: out [T, D] = h + ffn(ffn_norm(h)), ffn the dense MLP, or the routed experts
