@@ -161,6 +161,14 @@ def _plan(block, slot: str, build) -> _Plan:
     return plan
 
 
+def covers(model) -> bool:
+    """Whether the decode step runs every block of `model` (the kernels are there, on, and can read each block)."""
+    if not enabled() or cpu_build.library() is None:
+        return False
+    return all(_plan(b, "_cpu_decode_attention", _attention_plan).desc is not None
+               and _plan(b, "_cpu_decode_ffn", _ffn_plan).desc is not None for b in model.blocks())
+
+
 def _usable(h: torch.Tensor):
     """The library, when the step may run for hidden states h [1, S, D]; else None."""
     if h.device.type != "cpu" or h.dtype != torch.float32 or h.dim() != 3 or h.shape[0] != 1 \

@@ -235,3 +235,14 @@ def test_a_block_at_deepseek_v3_widths(monkeypatch):
         torch.set_num_threads(1)
     for got, want in zip(outs["kernel"], outs["eager"]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_tiny_model_the_step_runs_whole_decodes_with_every_thread(engines, ckpt_factory, monkeypatch):
+    """The one-thread rule for tiny models holds for the eager path only (generate.decode_threads)."""
+    llm = engines("fp32")
+    assert cpu_decode.covers(llm.model) and llm.decode_threads is None
+    eager(monkeypatch)
+    assert not cpu_decode.covers(llm.model) and llm.decode_threads == 1
+    eager(monkeypatch, False)
+    v32 = load_model(ckpt_factory("v32"), CPU, torch.float32, progress=False, log=lambda m: None)
+    assert not cpu_decode.covers(v32)                 # its attention stays eager
