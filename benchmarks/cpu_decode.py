@@ -81,7 +81,7 @@ def main():
     print(f"| dsv3lite | {med(ours, 0):.1f} | {med(ours, 1):.1f} |")
     print(f"| transformers | {med(theirs, 0):.1f} | {med(theirs, 1):.1f} |")
     print(f"| ratio | {med(ours, 0) / med(theirs, 0):.2f}x | {med(ours, 1) / med(theirs, 1):.2f}x |")
-    if spec.mtp_requested and spec.model.mtp is not None:
+    if spec.model.mtp is not None:
         how = "MTP on" if spec.mtp_enabled else f"MTP turned itself off ({spec.mtp_off_reason})"
         print(f"| dsv3lite default: {how} | {med(mtp, 0):.1f} | {med(mtp, 1):.1f} |")
         print(f"| ratio, default | {med(mtp, 0) / med(theirs, 0):.2f}x | {med(mtp, 1) / med(theirs, 1):.2f}x |")
