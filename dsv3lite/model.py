@@ -542,7 +542,9 @@ class Block(nn.Module):
         return h + self.attn(self.attn_norm(h), start, cos, sin, cache, absorb)
 
     def feed_forward(self, h):
-        pre, self.prepared = self.prepared, None
+        pre = self.prepared
+        if pre is not None:
+            self.prepared = None
         if pre is None and h.device.type == "cpu" and (not self.is_moe or self.ffn.prepared is None):
             out = cpu_decode.feed_forward(self, h)
             if out is not None:
@@ -609,6 +611,10 @@ class Transformer(nn.Module):
         h = self.embed(tokens)
         cos, sin = (as_dtype(t, h.dtype)[:, None] for t in self.rotary(start, tokens.shape[1], h.device))
         watchers = self.observers.attention
+        if absorb and cache is not None and not watchers and h.device.type == "cpu":
+            out = cpu_decode.layers(self, h, start, cos, sin, cache)    # a CPU decode step: one kernel call
+            if out is not None:
+                return self.norm(out)
         for i, layer in enumerate(self.layers):
             h = layer.attention(h, start, cos, sin, None if cache is None else cache[i], absorb)
             for fn in watchers:

@@ -103,6 +103,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_attention.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_int]
     lib.dsv3_ffn.restype = _c_int
     lib.dsv3_ffn.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int]
+    lib.dsv3_layers.restype = _c_int
+    lib.dsv3_layers.argtypes = [_c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_ptr,
+                                _c_ptr, _c_ptr, _c_ptr, _c_int]
     lib.dsv3_fp8_dequant.restype = _c_int
     lib.dsv3_fp8_dequant.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int]
     lib.dsv3_int4_quantize.restype = _c_int

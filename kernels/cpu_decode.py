@@ -161,6 +161,70 @@ def _plan(block, slot: str, build) -> _Plan:
     return plan
 
 
+class _Layers:
+    """Every main layer's plans for one model, as the arrays dsv3_layers reads, and routing buffers for its MoE
+    layers; valid while every plan's tensors keep their storage."""
+
+    def __init__(self, model):
+        blocks = list(model.layers)
+        plans = [(_plan(b, "_cpu_decode_attention", _attention_plan), _plan(b, "_cpu_decode_ffn", _ffn_plan))
+                 for b in blocks]
+        self.ok = all(a.desc is not None and f.desc is not None for a, f in plans)
+        self.tensors = [t for a, f in plans for t in a.tensors + f.tensors]
+        self.key = [t.data_ptr() for t in self.tensors]
+        if not self.ok:
+            return
+        n, args = len(blocks), model.args
+        self.blocks = blocks
+        self.attn = (_ptr * n)(*(a.addr for a, _ in plans))
+        self.ffn = (_ptr * n)(*(f.addr for _, f in plans))
+        k, e = args.num_experts_per_tok, args.n_routed_experts
+        self.ids = torch.zeros(n, ABSORB_MAX_TOKENS * k, dtype=torch.int64)
+        self.scores = torch.zeros(n, ABSORB_MAX_TOKENS * e)
+        self.ids_ptrs = (_ptr * n)(*(self.ids[i].data_ptr() if b.is_moe else None for i, b in enumerate(blocks)))
+        self.score_ptrs = (_ptr * n)(*(self.scores[i].data_ptr() if b.is_moe else None for i, b in enumerate(blocks)))
+        self.k, self.e = k, e
+
+    def valid(self) -> bool:
+        return [t.data_ptr() for t in self.tensors] == self.key
+
+
+def layers(model, h: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+           cache: torch.Tensor) -> torch.Tensor | None:
+    """Every main layer of `model` over h [1, S, D] (the embeddings) in one kernel call -> the last layer's output,
+    or None (the layers run one by one). cache: the main layers' [n_layers, 1, Tmax, cache_dim]. The routing
+    observers are called afterwards, layer by layer, with each MoE layer's ids and scores."""
+    lib = _usable(h)
+    if lib is None:
+        return None
+    seqlen = h.shape[1]
+    if cache.dtype != torch.float32 or cache.dim() != 4 or cache.shape[0] < len(model.layers) \
+            or cache.shape[1] != 1 or not cache.is_contiguous() or start + seqlen > cache.shape[2] \
+            or not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != torch.float32:
+        return None
+    plan = model.__dict__.get("_cpu_decode_layers")
+    if plan is None or not plan.valid():
+        plan = model.__dict__["_cpu_decode_layers"] = _Layers(model)
+    if not plan.ok:
+        return None
+    h = h.contiguous()
+    tmp, out = torch.empty_like(h), torch.empty_like(h)
+    rc = lib.dsv3_layers(len(plan.blocks), plan.attn, plan.ffn, h.data_ptr(), tmp.data_ptr(), out.data_ptr(), seqlen,
+                         start, cache.data_ptr(), cache.stride(0), cos.data_ptr(), sin.data_ptr(), plan.ids_ptrs,
+                         plan.score_ptrs, 0)
+    if rc != 0:
+        raise ValueError(f"CPU decode kernel: error {rc}")
+    watchers = model.observers.routing
+    if watchers:
+        for i, b in enumerate(plan.blocks):
+            if b.is_moe:
+                ids = plan.ids[i, :seqlen * plan.k].view(seqlen, plan.k).clone()
+                scores = plan.scores[i, :seqlen * plan.e].view(seqlen, plan.e).clone()
+                for fn in watchers:
+                    fn(b.layer_id, ids, scores)
+    return out
+
+
 def covers(model) -> bool:
     """Whether the decode step runs every block of `model` (the kernels are there, on, and can read each block)."""
     if not enabled() or cpu_build.library() is None:

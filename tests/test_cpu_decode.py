@@ -3,6 +3,7 @@ against its twin, the eager path, and against transformers; a call of several to
 cases it leaves to the eager path; DeepSeek-V3's routing geometry and its real widths."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -23,11 +24,12 @@ PREFILL, STEPS = 8, 6
 
 
 class Spy:
-    """Counts the decode-step calls that ran the kernels (not None) and those left to the eager path."""
+    """Counts the decode-step calls that ran the kernels (not None) and those left to the eager path: `layers` (every
+    main layer in one call), else `attention` and `feed_forward` per block."""
 
     def __init__(self, monkeypatch):
-        self.ran = {"attention": 0, "feed_forward": 0}
-        self.declined = {"attention": 0, "feed_forward": 0}
+        self.ran = {"layers": 0, "attention": 0, "feed_forward": 0}
+        self.declined = dict(self.ran)
         for name in self.ran:
             real = getattr(cpu_decode, name)
             monkeypatch.setattr(cpu_decode, name, self._wrap(name, real))
@@ -38,6 +40,17 @@ class Spy:
             (self.ran if out is not None else self.declined)[name] += 1
             return out
         return call
+
+
+@contextlib.contextmanager
+def watched(model):
+    """An attention observer on `model` (as the offloading runtime adds): the layers then run one by one."""
+    seen = []
+    handle = model.add_observer(on_attention=lambda block, h: seen.append(block.layer_id))
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 def eager(monkeypatch, on: bool = True):
@@ -73,9 +86,13 @@ def test_decode_steps_match_transformers(ckpt_factory, monkeypatch, variant):
     spy = Spy(monkeypatch)
     model = load_model(path, CPU, torch.float32, progress=False, log=lambda m: None)
     got, _ = decode_logits(model, x)
-    n_layers = model.args.num_hidden_layers
-    assert spy.ran == {"attention": STEPS * n_layers, "feed_forward": STEPS * n_layers}, spy.ran
+    assert spy.ran == {"layers": STEPS, "attention": 0, "feed_forward": 0}, spy.ran
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    with watched(model):                                      # an attention observer: block by block
+        per_block, _ = decode_logits(model, x)
+    n_layers = model.args.num_hidden_layers
+    assert spy.ran == {"layers": STEPS, "attention": STEPS * n_layers, "feed_forward": STEPS * n_layers}, spy.ran
+    assert torch.equal(per_block, got)                        # the same kernels in the same order: the same bits
 
 
 ENGINES = {                                     # dsv3lite.load options: expert formats x packed dense formats
@@ -114,10 +131,10 @@ def test_the_kernel_step_matches_the_eager_step(engines, monkeypatch, label):
     eager(monkeypatch)
     want, want_cache = decode_logits(llm.model, x)
     want_tokens = greedy(llm)
-    assert spy.ran == {"attention": 0, "feed_forward": 0}
+    assert spy.ran == {"layers": 0, "attention": 0, "feed_forward": 0}
     eager(monkeypatch, False)
     got, got_cache = decode_logits(llm.model, x)
-    assert spy.ran["attention"] == spy.ran["feed_forward"] == STEPS * llm.args.num_hidden_layers
+    assert spy.ran["layers"] == STEPS
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(got_cache, want_cache, atol=1e-5, rtol=1e-5)      # the rows the steps wrote
     assert greedy(llm) == want_tokens
@@ -173,6 +190,10 @@ def test_cases_the_kernels_leave_to_the_eager_path(ckpt_factory, engines, monkey
         assert cpu_decode.attention(block, h, 64, cos, sin, cache) is None          # past the cache: eager raises
         assert cpu_decode.attention(block, h.to(torch.bfloat16), 5, cos, sin, cache) is None
         assert cpu_decode.feed_forward(block, torch.randn(1, 5, llm.args.hidden_size)) is None   # a prefill chunk
+        layers_cache = torch.zeros(llm.args.num_hidden_layers, 1, 64, llm.args.cache_dim)
+        assert cpu_decode.layers(llm.model, h, 5, cos, sin, layers_cache) is not None
+        assert cpu_decode.layers(llm.model, h, 64, cos, sin, layers_cache) is None
+        assert cpu_decode.layers(llm.model, h, 5, cos, sin, layers_cache[:1]) is None          # a cache too small
         eager(monkeypatch)
         assert cpu_decode.feed_forward(block, h) is None
     eager(monkeypatch, False)
@@ -202,7 +223,7 @@ def test_v3_geometry_decode_equals_the_eager_path(tmp_path, monkeypatch):
     eager(monkeypatch, False)
     spy = Spy(monkeypatch)
     got, _ = decode_logits(model, x)
-    assert spy.ran["feed_forward"] == STEPS * 61
+    assert spy.ran["layers"] == STEPS
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 

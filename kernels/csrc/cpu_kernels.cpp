@@ -912,6 +912,20 @@ int dsv3_ffn(const FfnDesc* d, const float* h, float* out, int64_t T, int64_t* i
   return 0;
 }
 
+
+// Every main layer of a decode step, in order, in one call: layer i's attention (from h for the first layer, else
+// from out) into tmp, then its feed-forward from tmp into out. cache + i * cache_stride is layer i's [Tmax,
+// cache_dim]; ids[i] / scores[i] receive layer i's routing (null for a dense layer).
+int dsv3_layers(int64_t n, const AttnDesc* const* attn, const FfnDesc* const* ffn, const float* h, float* tmp,
+                float* out, int64_t T, int64_t start, float* cache, int64_t cache_stride, const float* cos,
+                const float* sin, int64_t* const* ids, float* const* scores, int threads) {
+  for (int64_t i = 0; i < n; ++i) {
+    int rc = dsv3_attention(attn[i], i == 0 ? h : out, tmp, T, start, cache + i * cache_stride, cos, sin, threads);
+    if (rc || (rc = dsv3_ffn(ffn[i], tmp, out, T, ids[i], scores[i], threads))) return rc;
+  }
+  return 0;
+}
+
 }  // extern "C"
 
 // ---- int4 quantization (quant/int4.py's int4_quantize_ref, the same operations in the same order) -----------
