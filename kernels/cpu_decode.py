@@ -1,10 +1,13 @@
-"""The CPU decode step: a block's attention and its feed-forward each in one call of the compiled kernels.
+"""The CPU decode step: every main layer in one call of the compiled kernels, or a block's attention and its
+feed-forward in one call each.
 
 A decode step of DeepSeek-V3 is 61 layers of a few dozen small operators each; on the CPU, eager PyTorch spends
 more time dispatching them than computing (about 0.8 ms per layer at V3's geometry and tiny widths, against
 0.16 ms for a llama.cpp graph). `attention` and `feed_forward` run model.py's `Block.attention` and
 `Block.feed_forward` for batch 1 and up to ABSORB_MAX_TOKENS tokens in one call each (kernels/csrc/cpu_kernels.cpp:
-`dsv3_attention`, `dsv3_ffn`):
+`dsv3_attention`, `dsv3_ffn`); `layers` runs them for every main layer in one call (`dsv3_layers`: Transformer.hidden
+takes it when no attention observer watches, calling the routing observers afterwards), the same kernels in the
+same order, so the same bits:
 
   attention     h + wo(absorbed attention over the layer's latent cache of [kv_norm(c) | rope(k_pe)]), the
                 query through wq_a / q_norm / wq_b (or wq); the projections of all the call's tokens at once (the
