@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ from . import cpu_build
 from .cpu_experts import F32
 from .cpu_linear import FMT_CODES, GROUP
 from ..limits import ABSORB_MAX_TOKENS
+
 TOPK_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -61,17 +63,26 @@ def enabled() -> bool:
     return os.environ.get("DSV3LITE_CPU_DECODE", "").strip().lower() != "eager"
 
 
-class _Plan:
-    """One block's descriptor (a ctypes struct, or None when the kernel cannot run it) and the tensors it points
-    into: rebuilt when any of them changes storage."""
+class _Watched:
+    """Tensors a descriptor points into, held weakly: valid while each is alive and keeps its storage (a module
+    swapped or a weight replaced after a step drops or moves one, and the descriptor is rebuilt)."""
 
-    def __init__(self, desc, tensors: list[torch.Tensor], extra=None):
-        self.desc, self.tensors, self.extra = desc, tensors, extra
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.refs = [weakref.ref(t) for t in tensors]
         self.key = [t.data_ptr() for t in tensors]
-        self.addr = ctypes.addressof(desc) if desc is not None else None
 
     def valid(self) -> bool:
-        return [t.data_ptr() for t in self.tensors] == self.key
+        return [None if (t := r()) is None else t.data_ptr() for r in self.refs] == self.key
+
+
+class _Plan(_Watched):
+    """One block's descriptor (a ctypes struct, or None when the kernel cannot run it), the tensors it points into,
+    and `extra`: the arrays it owns (expert addresses and descriptor)."""
+
+    def __init__(self, desc, tensors: list[torch.Tensor], extra=None):
+        super().__init__(tensors)
+        self.desc, self.extra = desc, extra
+        self.addr = ctypes.addressof(desc) if desc is not None else None
 
 
 def _plain(t: torch.Tensor | None) -> bool:
@@ -164,17 +175,17 @@ def _plan(block, slot: str, build) -> _Plan:
     return plan
 
 
-class _Layers:
-    """Every main layer's plans for one model, as the arrays dsv3_layers reads, and routing buffers for its MoE
-    layers; valid while every plan's tensors keep their storage."""
+class _Layers(_Watched):
+    """Every main layer's plans for one model (kept alive here), as the arrays dsv3_layers reads, and routing
+    buffers for its MoE layers; valid while every plan's tensors are."""
 
     def __init__(self, model):
         blocks = list(model.layers)
-        plans = [(_plan(b, "_cpu_decode_attention", _attention_plan), _plan(b, "_cpu_decode_ffn", _ffn_plan))
-                 for b in blocks]
+        self.plans = [(_plan(b, "_cpu_decode_attention", _attention_plan), _plan(b, "_cpu_decode_ffn", _ffn_plan))
+                      for b in blocks]
+        plans = self.plans
+        super().__init__([r() for a, f in plans for r in a.refs + f.refs])
         self.ok = all(a.desc is not None and f.desc is not None for a, f in plans)
-        self.tensors = [t for a, f in plans for t in a.tensors + f.tensors]
-        self.key = [t.data_ptr() for t in self.tensors]
         if not self.ok:
             return
         n, args = len(blocks), model.args
@@ -187,9 +198,6 @@ class _Layers:
         self.ids_ptrs = (_ptr * n)(*(self.ids[i].data_ptr() if b.is_moe else None for i, b in enumerate(blocks)))
         self.score_ptrs = (_ptr * n)(*(self.scores[i].data_ptr() if b.is_moe else None for i, b in enumerate(blocks)))
         self.k, self.e = k, e
-
-    def valid(self) -> bool:
-        return [t.data_ptr() for t in self.tensors] == self.key
 
 
 def layers(model, h: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,

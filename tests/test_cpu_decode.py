@@ -267,3 +267,18 @@ def test_a_tiny_model_the_step_runs_whole_decodes_with_every_thread(engines, ckp
     eager(monkeypatch, False)
     v32 = load_model(ckpt_factory("v32"), CPU, torch.float32, progress=False, log=lambda m: None)
     assert not cpu_decode.covers(v32)                 # its attention stays eager
+
+
+def test_a_weight_replaced_after_a_step_is_the_one_the_next_step_reads(v3_dir, monkeypatch):
+    """The kernels' descriptors hold the weights weakly: a module swapped (or a weight moved) between steps
+    rebuilds them, so the next step computes with the new weights, as the eager path does."""
+    from dsv3lite.dense import pack_dense
+
+    model = load_model(v3_dir, CPU, torch.float32, progress=False, log=lambda m: None)
+    x = prompt()
+    decode_logits(model, x)                                   # descriptors built for the fp32 linears
+    pack_dense(model, "int8")
+    got, _ = decode_logits(model, x)
+    eager(monkeypatch)
+    want, _ = decode_logits(model, x)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
