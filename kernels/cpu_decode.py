@@ -37,6 +37,8 @@ from .cpu_linear import FMT_CODES, GROUP
 from ..limits import ABSORB_MAX_TOKENS
 
 TOPK_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+MAX_ROPE = 256                            # the kernels' bounds (cpu_kernels.cpp): RoPE width, router groups
+MAX_ROUTER_GROUPS = 1024
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
@@ -117,7 +119,7 @@ def _norm(mod, keep: list[torch.Tensor]) -> int | None:
 def _attention_plan(block) -> _Plan:
     attn, keep = block.attn, []
     a = attn.args
-    if attn.indexer is not None:
+    if attn.indexer is not None or a.qk_rope_head_dim > MAX_ROPE or a.qk_rope_head_dim % 2:
         return _Plan(None, [])
     if a.q_lora_rank:
         wq_a, wq_b, q_norm = _lin(attn.wq_a, keep), _lin(attn.wq_b, keep), _norm(attn.q_norm, keep)
@@ -157,7 +159,8 @@ def _ffn_plan(block) -> _Plan:
     describe = getattr(ffn.experts, "cpu_blobs", None)          # resident providers: their blobs for dsv3_moe
     experts = describe() if describe is not None else None
     bias = gate.bias
-    if experts is None or not _plain(gate.weight) or (bias is not None and not _plain(bias)):
+    if experts is None or not _plain(gate.weight) or (bias is not None and not _plain(bias)) \
+            or a.n_group > MAX_ROUTER_GROUPS or a.num_experts_per_tok > a.n_routed_experts:
         return _Plan(None, keep)
     ptrs, desc, tensors = experts
     keep += [gate.weight, *tensors] + ([bias] if bias is not None else [])

@@ -701,7 +701,8 @@ struct FfnDesc {
   float eps, scaling;                                                             // 1 group-limited, 2 noaux_tc
 };
 
-constexpr int MAX_ROPE = 256;
+constexpr int MAX_ROPE = 256;            // widths the decode step holds on the stack (kernels/cpu_decode.py)
+constexpr int MAX_ROUTER_GROUPS = 1024;
 
 int linear(const Lin& l, const float* x, int64_t T, float* y, int threads) {
   return dsv3_linear(x, T, l.k, l.fmt, l.group, l.n, l.w, l.s, l.z, y, threads);
@@ -838,8 +839,8 @@ void route(const FfnDesc& d, const float* sc, float* choice, int64_t* ids, float
   for (int64_t e = 0; e < E; ++e) choice[e] = d.gate_bias ? sc[e] + d.gate_bias[e] : sc[e];
   if (G > 1 && d.method != 0) {
     const int64_t per = E / G;
-    float gs[1024];
-    int64_t keep[1024];
+    float gs[MAX_ROUTER_GROUPS];
+    int64_t keep[MAX_ROUTER_GROUPS];
     for (int64_t g = 0; g < G; ++g) {
       const float* c = choice + g * per;
       if (d.method == 2) {                                      // noaux_tc: the sum of the group's top two
@@ -879,7 +880,7 @@ int dsv3_attention(const AttnDesc* d, const float* h, float* out, int64_t T, int
 // (router, dsv3_moe) plus the shared experts; ids [T, K] and scores [T, E] receive the routing (MoE layers).
 int dsv3_ffn(const FfnDesc* d, const float* h, float* out, int64_t T, int64_t* ids, float* scores, int threads) {
   const int64_t D = d->dim, E = d->n_experts, K = d->topk, I = d->w1.w ? d->w1.n : 0;
-  if (d->gate_w && (d->n_group > 1024 || K > E)) return -3;
+  if (d->gate_w && (d->n_group > MAX_ROUTER_GROUPS || K > E)) return -3;
   float* x = floats(tl_step, T * (3 * D + 2 * I + E + K));
   float *routed = x + T * D, *shared = routed + T * D, *g = shared + T * D, *u = g + T * I, *choice = u + T * I;
   float* w = choice + T * E;
