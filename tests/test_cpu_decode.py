@@ -140,9 +140,11 @@ def test_the_kernel_step_matches_the_eager_step(engines, monkeypatch, label):
     assert greedy(llm) == want_tokens
 
 
-def test_a_call_of_several_tokens_gives_each_token_its_own_steps_bits(engines):
-    """MTP verification runs 2..4 tokens in one forward: each gets exactly the bits a plain decode step gives it."""
-    model = engines("int4 experts, int4 dense").model
+@pytest.mark.parametrize("label", ["fp32", "bf16 experts", "int4 experts, int4 dense"])
+def test_a_call_of_several_tokens_gives_each_token_its_own_steps_bits(engines, label):
+    """MTP verification runs 2..4 tokens in one forward: each gets exactly the bits a plain decode step gives it
+    (one-token row dots run four rows at a time for fp32 and bf16 weights, the same operations per row)."""
+    model = engines(label).model
     args = model.args
     x = prompt(PREFILL + 3)
     caches, hidden = [], []
