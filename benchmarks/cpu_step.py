@@ -1,0 +1,96 @@
+"""The CPU decode step (kernels/cpu_decode.py) against the eager path at DeepSeek-V3's real widths, alternating.
+
+  1. one MoE block at V3's widths (hidden 7168, 128 heads, q/kv lora 1536/512, 2048-wide experts; 4 routed experts,
+     fp32 weights as a CPU load keeps them), 100 positions of context: ms for its attention and its feed-forward;
+  2. with --slice: decode on the real-width slice of benchmarks/cpu_peer.py (3 layers, 16 experts) loaded with the
+     defaults (fp32 dense weights, bf16 expert blobs), tok/s.
+
+    python benchmarks/cpu_step.py --threads 2 --rounds 3
+    python benchmarks/cpu_step.py --slice
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODES = {"eager": "eager", "kernel step": ""}            # DSV3LITE_CPU_DECODE per mode
+
+
+def timed(fn, n: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def block_rows(rounds: int, calls: int) -> dict:
+    from dsv3lite.config import ModelArgs
+    from dsv3lite.model import Block, Rotary
+
+    args = ModelArgs(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+                     n_group=2, topk_group=1, vocab_size=64)
+    torch.manual_seed(0)
+    block = Block(args, 1)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.uniform_(-1, 1).mul_(1.0 if "norm" in name else p.shape[-1] ** -0.5)
+    cache = torch.randn(1, 256, args.cache_dim) * 0.5
+    h = torch.randn(1, 1, args.hidden_size)
+    cos, sin = (t[:, None] for t in Rotary(args)(100, 1, torch.device("cpu")))
+    rows = {f"{m}: {part}": [] for m in MODES for part in ("attention", "feed-forward")}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for mode, env in MODES.items():
+                os.environ["DSV3LITE_CPU_DECODE"] = env
+                rows[f"{mode}: attention"].append(timed(lambda: block.attention(h, 100, cos, sin, cache, True), calls))
+                rows[f"{mode}: feed-forward"].append(timed(lambda: block.feed_forward(h), calls))
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
+def slice_rows(rounds: int, n_gen: int) -> dict:
+    import dsv3lite
+    from cpu_peer import dsv3_run, slice_dir
+
+    llm = dsv3lite.load(str(slice_dir()), device="cpu", ctx_size=256, mtp=False, progress=False, log=lambda m: None)
+    prompt = list(range(5, 21))
+    dsv3_run(llm, prompt, 2)
+    rows = {m: [] for m in MODES}
+    for _ in range(rounds):
+        for mode, env in MODES.items():
+            os.environ["DSV3LITE_CPU_DECODE"] = env
+            rows[mode].append(dsv3_run(llm, prompt, n_gen)["decode"])
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=10, help="calls per timing (block)")
+    ap.add_argument("--slice", action="store_true", help="also decode the real-width slice (writes it once, ~5 GB)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"# cpu_step: {os.cpu_count()} CPUs, {args.threads} threads, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.2f}")
+    res = block_rows(args.rounds, args.calls)
+    print("\n| V3-width MoE block | eager ms | kernel step ms | ratio |\n|---|---|---|---|")
+    for part in ("attention", "feed-forward"):
+        e, k = res[f"eager: {part}"], res[f"kernel step: {part}"]
+        print(f"| {part} | {e:.2f} | {k:.2f} | {e / k:.2f}x |")
+    if args.slice:
+        s = slice_rows(args.rounds, 16)
+        print(f"\nreal-width slice, default load, decode: eager {s['eager']:.2f} tok/s, kernel step "
+              f"{s['kernel step']:.2f} tok/s ({s['kernel step'] / s['eager']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
