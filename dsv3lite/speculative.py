@@ -43,10 +43,12 @@ def accept_drafts(target: list[torch.Tensor], drafts: list[int], draft_probs: li
 
 class MTPTimer:
     """Decides whether speculation pays: a few plain steps are timed first, then speculative steps; after
-    JUDGE_AFTER of them, MTP is turned off if it produced fewer tokens per second than plain decoding. Acceptance
-    is watched all along: a window of JUDGE_AFTER speculative steps accepting under MIN_ACCEPTANCE of the drafts
-    turns MTP off too (every draft then costs a verify position, e.g. its experts on an offloaded model)."""
-    PROBE_PLAIN = 3
+    JUDGE_AFTER of them, a few plain steps again, and MTP is turned off if it produced fewer tokens per second than
+    those later plain steps did (the first steps after a prompt run slower than later ones: measured 1.8-2.4 against
+    1.6-1.8 ms on the demo, enough to keep a losing MTP on). Acceptance is watched all along: a window of JUDGE_AFTER
+    speculative steps accepting under MIN_ACCEPTANCE of the drafts turns MTP off too (every draft then costs a
+    verify position, e.g. its experts on an offloaded model)."""
+    PROBE_PLAIN = 3                                 # plain steps timed before speculating, and again before judging
     JUDGE_AFTER = 16
     MIN_ACCEPTANCE = 0.1
 
@@ -60,10 +62,14 @@ class MTPTimer:
         self.window = [0, 0, 0]                     # speculative steps, drafts, drafts accepted since the last look
 
     def probing(self) -> bool:
-        return self.adaptive and len(self.plain_s) < self.PROBE_PLAIN
+        if not self.adaptive or self.judged:
+            return False
+        n = len(self.plain_s)
+        return n < self.PROBE_PLAIN or (self.spec_steps >= self.JUDGE_AFTER and n < 2 * self.PROBE_PLAIN)
 
     def plain(self, dt: float) -> None:
-        self.plain_s.append(dt)
+        if len(self.plain_s) < 2 * self.PROBE_PLAIN:        # the probes' samples only (not every later plain step)
+            self.plain_s.append(dt)
 
     def spec(self, dt: float, tokens: int, drafted: int = 0, accepted: int = 0) -> None:
         self.spec_s += dt
@@ -80,10 +86,11 @@ class MTPTimer:
             self.window = [0, 0, 0]
             if drafted and accepted / drafted < self.MIN_ACCEPTANCE:
                 return f"only {accepted / drafted:.0%} of the last {drafted} drafts were accepted"
-        if self.judged or self.spec_steps < self.JUDGE_AFTER or not self.plain_s:
+        if self.judged or self.spec_steps < self.JUDGE_AFTER or len(self.plain_s) < 2 * self.PROBE_PLAIN:
             return None
         self.judged = True
-        plain_rate = 1.0 / sorted(self.plain_s)[len(self.plain_s) // 2]
+        later = sorted(self.plain_s[self.PROBE_PLAIN:])
+        plain_rate = 1.0 / later[len(later) // 2]
         spec_rate = self.spec_tokens / self.spec_s
         if spec_rate < 0.97 * plain_rate:
             return f"measured {spec_rate:.1f} tok/s with MTP vs {plain_rate:.1f} tok/s without"

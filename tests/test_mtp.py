@@ -133,6 +133,26 @@ def test_engine_speculative_step_samples_the_target_distribution(mtp_dir):
     assert _chi_square(counts, target) < 16.3
 
 
+def test_mtp_is_judged_against_plain_steps_timed_after_the_speculative_ones():
+    """The first steps after a prompt run slower than later ones: plain decoding is timed again before the verdict,
+    and that later timing is what speculation must beat."""
+    from dsv3lite.speculative import MTPTimer
+
+    timer = MTPTimer()
+    for _ in range(MTPTimer.PROBE_PLAIN):
+        assert timer.probing()
+        timer.plain(2.0)                                      # slow first steps: 0.5 tok/s
+    assert not timer.probing()
+    for _ in range(MTPTimer.JUDGE_AFTER):
+        timer.spec(1.5, tokens=1, drafted=1, accepted=1)      # 0.67 tok/s: beats the first steps only
+        assert timer.verdict() is None
+    for _ in range(MTPTimer.PROBE_PLAIN):
+        assert timer.probing()                                # the second probe, before judging
+        timer.plain(1.0)
+    assert not timer.probing()
+    assert "with MTP vs 1.0 tok/s without" in timer.verdict()
+
+
 def test_mtp_turns_itself_off_when_drafts_are_rarely_accepted():
     from dsv3lite.speculative import MTPTimer
 
