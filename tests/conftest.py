@@ -32,6 +32,19 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped under CI, where it must run: {reason}"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _eager_step_where_asked(request):
+    """A module with EAGER_STEP = True runs with the CPU decode step off (DSV3LITE_CPU_DECODE=eager): the offloading
+    tests compare offloaded tokens with resident ones bit for bit on the path the offloaded feed-forward takes (the
+    kernel step's sums run in another order; tests/test_cpu_decode.py checks it against that path)."""
+    if not getattr(request.module, "EAGER_STEP", False):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSV3LITE_CPU_DECODE", "eager")
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny-model tests: on a small shared CPU, thread hand-offs cost far

@@ -9,6 +9,7 @@ import torch
 import dsv3lite
 from dsv3lite.testing import V3_GEOMETRY, geometry_model, offload_budget, write_geometry_checkpoint
 
+EAGER_STEP = True            # offloaded and capped tokens against resident ones, bit for bit (conftest.py)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 WIDTHS = dict(hidden_size=32, moe_intermediate_size=16, intermediate_size=64, q_lora_rank=16, kv_lora_rank=16)

@@ -9,6 +9,8 @@ import torch
 from dsv3lite.errors import UserError
 from dsv3lite.offload.host_memory import pinned_empty
 
+EAGER_STEP = True            # offloaded and capped tokens against resident ones, bit for bit (conftest.py)
+
 
 def test_requested_bytes_equal_the_data_for_uneven_layer_sizes():
     registered, released = {}, []

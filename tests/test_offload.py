@@ -11,6 +11,7 @@ from dsv3lite.errors import UserError
 from dsv3lite.offload.setup import plan_for
 from dsv3lite.testing import offload_budget as budget_for
 
+EAGER_STEP = True            # offloaded and capped tokens against resident ones, bit for bit (conftest.py)
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs away into the forest."
 
 
