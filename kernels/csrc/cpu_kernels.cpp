@@ -1,6 +1,9 @@
-// CPU kernels for packed weights (AVX2 + FMA + F16C): routed-expert SwiGLU over expert blobs and the quantized
-// dense linear. Built at first use by kernels/cpu_build.py; the pure-PyTorch twins in kernels/cpu_experts.py and
-// kernels/cpu_linear.py define the same math. Weights are decoded in registers and never written out:
+// CPU kernels for packed weights (AVX2 + FMA + F16C): routed-expert SwiGLU over expert blobs, the quantized
+// dense linear, and the decode step built on them (a block's attention and feed-forward, every layer of a step:
+// kernels/cpu_decode.py, whose twin is model.py's eager path). Built at first use by kernels/cpu_build.py; the
+// pure-PyTorch twins in kernels/cpu_experts.py and kernels/cpu_linear.py define the same math. Weights are decoded
+// in registers and never written out:
+//   f32   plain fp32 weights (the decode step's unpacked linears, dense fp32 experts)
 //   bf16  w = bits << 16                         x in fp32 (even/odd 8-lane halves of each 16-chunk)
 //   fp8   e4m3 -> fp32 bits by shifts (= w * 2^-120) against x * 2^100; each 128-block's partial dot times s
 //   int4  nibbles (q) against x quantized to int8 per group: s * xs * (sum q*xq - z * sum xq)
