@@ -2,8 +2,9 @@
 
   1. one MoE block at V3's widths (hidden 7168, 128 heads, q/kv lora 1536/512, 2048-wide experts; 4 routed experts,
      fp32 weights as a CPU load keeps them), 100 positions of context: ms for its attention and its feed-forward;
-  2. with --slice: decode on the real-width slice of benchmarks/cpu_peer.py (3 layers, 16 experts) loaded with the
-     defaults (fp32 dense weights, bf16 expert blobs), tok/s.
+  2. with --slice: the real-width slice of benchmarks/cpu_peer.py (3 layers, 16 experts) loaded with the defaults
+     (fp32 dense weights, bf16 expert blobs), decode on either path, and the same with --dense bf16 (the
+     checkpoint's own bf16 values, half the bytes): prefill and decode tok/s.
 
     python benchmarks/cpu_step.py --threads 2 --rounds 3
     python benchmarks/cpu_step.py --slice
@@ -56,19 +57,24 @@ def block_rows(rounds: int, calls: int) -> dict:
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
-def slice_rows(rounds: int, n_gen: int) -> dict:
+def slice_rows(rounds: int, n_prompt: int, n_gen: int) -> dict:
     import dsv3lite
     from cpu_peer import dsv3_run, slice_dir
 
-    llm = dsv3lite.load(str(slice_dir()), device="cpu", ctx_size=256, mtp=False, progress=False, log=lambda m: None)
-    prompt = list(range(5, 21))
-    dsv3_run(llm, prompt, 2)
-    rows = {m: [] for m in MODES}
+    load = dict(device="cpu", ctx_size=256, mtp=False, progress=False, log=lambda m: None)
+    default = dsv3lite.load(str(slice_dir()), **load)
+    packed = dsv3lite.load(str(slice_dir()), dense="bf16", **load)
+    runs = {"default, eager": (default, "eager"), "default, kernel step": (default, ""),
+            "--dense bf16, kernel step": (packed, "")}
+    prompt = list(range(5, 5 + n_prompt))
+    for llm, _ in runs.values():
+        dsv3_run(llm, prompt, 2)
+    rows = {k: [] for k in runs}
     for _ in range(rounds):
-        for mode, env in MODES.items():
+        for label, (llm, env) in runs.items():
             os.environ["DSV3LITE_CPU_DECODE"] = env
-            rows[mode].append(dsv3_run(llm, prompt, n_gen)["decode"])
-    return {k: statistics.median(v) for k, v in rows.items()}
+            rows[label].append(dsv3_run(llm, prompt, n_gen))
+    return {k: {m: statistics.median(r[m] for r in v) for m in ("prefill", "decode")} for k, v in rows.items()}
 
 
 def main():
@@ -87,9 +93,10 @@ def main():
         e, k = res[f"eager: {part}"], res[f"kernel step: {part}"]
         print(f"| {part} | {e:.2f} | {k:.2f} | {e / k:.2f}x |")
     if args.slice:
-        s = slice_rows(args.rounds, 16)
-        print(f"\nreal-width slice, default load, decode: eager {s['eager']:.2f} tok/s, kernel step "
-              f"{s['kernel step']:.2f} tok/s ({s['kernel step'] / s['eager']:.2f}x)")
+        s = slice_rows(args.rounds, 64, 16)
+        print("\n| real-width slice, 64-token prompt, 16 tokens | prefill tok/s | decode tok/s |\n|---|---|---|")
+        for label, r in s.items():
+            print(f"| {label} | {r['prefill']:.1f} | {r['decode']:.2f} |")
 
 
 if __name__ == "__main__":
