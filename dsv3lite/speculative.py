@@ -44,8 +44,8 @@ def accept_drafts(target: list[torch.Tensor], drafts: list[int], draft_probs: li
 class MTPTimer:
     """Decides whether speculation pays: a few plain steps are timed first, then speculative steps; after
     JUDGE_AFTER of them, a few plain steps again, and MTP is turned off if it produced fewer tokens per second than
-    those later plain steps did (the first steps after a prompt run slower than later ones: measured 1.8-2.4 against
-    1.6-1.8 ms on the demo, enough to keep a losing MTP on). Acceptance is watched all along: a window of JUDGE_AFTER
+    those later plain steps did (the first steps after a prompt run slower than later ones: on the demo, with the CPU
+    decode step, 1.5-2.0 ms against 0.9-1.0, enough to keep a losing MTP on). Acceptance is watched all along: a window of JUDGE_AFTER
     speculative steps accepting under MIN_ACCEPTANCE of the drafts turns MTP off too (every draft then costs a
     verify position, e.g. its experts on an offloaded model)."""
     PROBE_PLAIN = 3                                 # plain steps timed before speculating, and again before judging
