@@ -31,11 +31,21 @@ def test_linear_kernel_matches_twin(dtype, n, k):
         pytest.skip(cpu_build.status())
     gen = torch.Generator().manual_seed(0)
     packed = pack_weight(torch.randn(n, k, generator=gen) * 0.05, dtype)
-    for t in (1, 3, 9):
+    for t in (1, 3, 9, 70):                    # 70: bf16 takes the widened matmul (BF16_MATMUL_ROWS)
         x = torch.randn(t, k, generator=gen)
         got, want = linear_forward(x, dtype, n, *packed), linear_ref(x, dtype, n, *packed)
         err = (got - want).abs().max().item()
         assert err <= 2e-5 * want.abs().max().item(), f"{dtype} T={t}: max |kernel - twin| {err:.3e}"
+
+
+def test_a_bf16_weight_widened_in_blocks_of_rows_gives_the_twins_product(monkeypatch):
+    from dsv3lite.kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "WIDEN_ELEMENTS", 7 * 200)            # 7 rows a block: 100 rows in 15 blocks
+    packed = pack_weight(torch.randn(100, 200, generator=gen()) * 0.05, "bf16")
+    x = torch.randn(cpu_linear.BF16_MATMUL_ROWS, 200, generator=gen())
+    torch.testing.assert_close(linear_forward(x, "bf16", 100, *packed), linear_ref(x, "bf16", 100, *packed),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,tol", [("bf16", 4e-3), ("fp8", 4e-2), ("int8", 1e-2), ("int4", 0.12)])
