@@ -83,6 +83,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=10, help="calls per timing (block)")
     ap.add_argument("--slice", action="store_true", help="also decode the real-width slice (writes it once, ~5 GB)")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens on the slice (at most 240)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# cpu_step: {os.cpu_count()} CPUs, {args.threads} threads, torch {torch.__version__}, "
@@ -93,8 +94,8 @@ def main():
         e, k = res[f"eager: {part}"], res[f"kernel step: {part}"]
         print(f"| {part} | {e:.2f} | {k:.2f} | {e / k:.2f}x |")
     if args.slice:
-        s = slice_rows(args.rounds, 64, 16)
-        print("\n| real-width slice, 64-token prompt, 16 tokens | prefill tok/s | decode tok/s |\n|---|---|---|")
+        s = slice_rows(args.rounds, args.prompt, 16)
+        print(f"\n| real-width slice, {args.prompt}-token prompt, 16 tokens | prefill tok/s | decode tok/s |\n|---|---|---|")
         for label, r in s.items():
             print(f"| {label} | {r['prefill']:.1f} | {r['decode']:.2f} |")
 
