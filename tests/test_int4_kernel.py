@@ -9,7 +9,6 @@ its vector width), and candidates are compared in the same order with the first 
 tests demand torch.equal, with no tolerance; only NaN weights are left unspecified (their groups' codes)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -20,9 +19,6 @@ from dsv3lite.quant.fp8 import fp8_block_dequant, fp8_block_quantize
 from dsv3lite.quant.int4 import (CLIP_SEARCH, EXHAUSTIVE, GROUP_SIZES, ClipSearch, Int4Format, int4_quantize,
                                  int4_quantize_ref)
 
-# a machine without a C++ compiler skips these; CI has one and must run them (a failed build fails there)
-needs_kernel = pytest.mark.skipif(cpu_build.library() is None and not os.environ.get("CI"),
-                                  reason=f"CPU kernels {cpu_build.status()}")
 SEARCHES = {"search": True, "fast": False}
 
 
@@ -43,7 +39,7 @@ def _weights(shape, seed, scale=0.02):
     return w
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("group", GROUP_SIZES)
 @pytest.mark.parametrize("search", SEARCHES.values(), ids=SEARCHES.keys())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -53,7 +49,7 @@ def test_kernel_equals_twin_on_float_sources(group, search, dtype):
         _assert_same(int4_quantize(w, group, search), int4_quantize_ref(w, group, search), f"{dtype} {shape}")
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("group", GROUP_SIZES)
 @pytest.mark.parametrize("search", SEARCHES.values(), ids=SEARCHES.keys())
 def test_kernel_equals_twin_on_fp8_sources(group, search):
@@ -72,7 +68,7 @@ def test_kernel_equals_twin_on_fp8_sources(group, search):
     _assert_same(int4_quantize(e4m3, group, search), int4_quantize_ref(e4m3, group, search), "fp8 no scale")
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("search", [EXHAUSTIVE, ClipSearch((0.9, 0.8), ()), ClipSearch((), (-0.05, 0.05)),
                                     ClipSearch((0.5,), (-0.7, 0.3))], ids=["exhaustive", "shrink", "ends", "clamped"])
 def test_kernel_equals_twin_for_any_clip_search(search):
@@ -80,7 +76,7 @@ def test_kernel_equals_twin_for_any_clip_search(search):
     _assert_same(int4_quantize(w, 128, search), int4_quantize_ref(w, 128, search))
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("group", GROUP_SIZES)
 def test_kernel_equals_twin_on_edge_groups(group):
     """Zero groups, constant groups, one sign only, signed zeros, ranges below fp16's smallest scale, values on
@@ -107,7 +103,7 @@ def test_kernel_equals_twin_on_edge_groups(group):
         _assert_same(int4_quantize(w, group, search), int4_quantize_ref(w, group, search), f"search {search}")
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 def test_kernel_at_real_width_and_any_thread_count():
     """One band of a DeepSeek-V3 gate (256 x 7168, FP8): the same bytes on 1 and 2 threads and as the twin."""
     q, s = fp8_block_quantize(_weights((256, 7168), seed=3))
@@ -121,7 +117,7 @@ def test_kernel_at_real_width_and_any_thread_count():
         torch.set_num_threads(threads)
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 def test_nan_weights_stay_in_their_groups():
     """NaN codes (e4m3 0x7f) poison only their own group; every other group is the twin's."""
     q, s = fp8_block_quantize(_weights((8, 512), seed=2))
@@ -133,7 +129,7 @@ def test_nan_weights_stay_in_their_groups():
     _assert_same(got, want)
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("clip_search", [True, False])
 def test_pack_by_kernel_equals_the_twins_blob(clip_search, monkeypatch):
     """Int4Format.pack / pack_fp8 quantize straight into the blob: the bytes of the twin's pack, gaps zeroed even in
@@ -176,14 +172,14 @@ def test_use_kernel_false_is_the_twin(monkeypatch):
     _assert_same(int4_quantize(w, 32, use_kernel=False), int4_quantize_ref(w, 32))
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 def test_bad_scale_grid_is_an_error():
     q, s = fp8_block_quantize(_weights((130, 256), seed=1))
     with pytest.raises(ValueError, match="scale grid"):
         int4_quantize(q, 128, scale_inv=s[:1])
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("group", GROUP_SIZES)
 def test_avx2_and_avx512_code_give_the_same_bits(group, monkeypatch):
     """The kernel is compiled for AVX2 and, where the CPU has it, AVX-512 (the one used here when present): the
@@ -199,7 +195,7 @@ def test_avx2_and_avx512_code_give_the_same_bits(group, monkeypatch):
 
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 def test_a_search_too_large_for_the_kernel_runs_the_twin(monkeypatch):
     monkeypatch.setattr(int4_mod, "_int4_quantize_kernel", lambda *a, **kw: pytest.fail("kernel called"))
     big = ClipSearch(tuple(1.0 - 0.01 * i for i in range(1, int4_mod.KERNEL_MAX_CANDIDATES + 1)), ())
