@@ -34,16 +34,10 @@ def timed(fn, n: int) -> float:
 
 
 def block_rows(rounds: int, calls: int) -> dict:
-    from dsv3lite.config import ModelArgs
-    from dsv3lite.model import Block, Rotary
+    from dsv3lite.model import Rotary
+    from dsv3lite.testing_realwidth import realwidth_moe_block
 
-    args = ModelArgs(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
-                     n_group=2, topk_group=1, vocab_size=64)
-    torch.manual_seed(0)
-    block = Block(args, 1)
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            p.uniform_(-1, 1).mul_(1.0 if "norm" in name else p.shape[-1] ** -0.5)
+    block, args = realwidth_moe_block()
     cache = torch.randn(1, 256, args.cache_dim) * 0.5
     h = torch.randn(1, 1, args.hidden_size)
     cos, sin = (t[:, None] for t in Rotary(args)(100, 1, torch.device("cpu")))

@@ -162,3 +162,20 @@ def write_realwidth_checkpoint(path, layers: int = 3, dense_layers: int = 1, exp
         if (source / f).is_file():
             shutil.copy(source / f, path / f)
     return path
+
+
+def realwidth_moe_block(seed: int = 0, n_experts: int = 4):
+    """(one MoE Block at DeepSeek-V3's widths in fp32, its ModelArgs): hidden 7168, 128 heads, lora 1536 / 512,
+    2048-wide experts, `n_experts` routed experts in 2 groups (top-2, 1 group kept) so it fits a test; weights
+    uniform at 1/sqrt(fan-in), norms around 1, a small router bias. For tests and benchmarks of one layer's math."""
+    from .model import Block
+
+    args = ModelArgs(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=n_experts, num_experts_per_tok=2,
+                     n_group=2, topk_group=1, vocab_size=64)
+    torch.manual_seed(seed)
+    block = Block(args, 1)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.uniform_(-1, 1).mul_(1.0 if "norm" in name else p.shape[-1] ** -0.5)
+        block.ffn.gate.bias.uniform_(-0.05, 0.05)
+    return block, args

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import dsv3lite
-from dsv3lite.config import ModelArgs
 from dsv3lite.kernels import cpu_decode
 from dsv3lite.loader import load_model
-from dsv3lite.model import Block, Rotary, as_dtype
+from dsv3lite.model import Rotary, as_dtype
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_kernels]
 CPU = torch.device("cpu")
@@ -229,14 +228,9 @@ def test_v3_geometry_decode_equals_the_eager_path(tmp_path, monkeypatch):
 def test_a_block_at_deepseek_v3_widths(monkeypatch):
     """One MoE block at V3's widths (hidden 7168, 128 heads, q/kv lora 1536/512, experts 2048 wide; 4 routed
     experts so it fits a test) with 2 threads, over 100 positions of context: the kernel against the eager path."""
-    args = ModelArgs(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
-                     n_group=2, topk_group=1, vocab_size=64)
-    torch.manual_seed(0)
-    block = Block(args, 1)
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            p.uniform_(-1, 1).mul_(1.0 if "norm" in name else p.shape[-1] ** -0.5)
-        block.ffn.gate.bias.uniform_(-0.05, 0.05)
+    from dsv3lite.testing_realwidth import realwidth_moe_block
+
+    block, args = realwidth_moe_block()
     rotary = Rotary(args)
     cache = torch.randn(1, 128, args.cache_dim) * 0.5
     h = torch.randn(1, 1, args.hidden_size)

@@ -380,73 +380,72 @@ struct Mat {
   }
 };
 
-// fp32 rows against one activation, four rows at a time: four weight streams in flight (one row's stream leaves
-// DRAM idle between its prefetches: 17 GB/s against 21-25 for four, 2 threads, V3's wo / wq_b). Each row's dot runs
-// row_f32's operations in its order, so the bits are row_f32<1>'s.
-void rows_f32_one(const Mat& m, int64_t r0, int64_t r1, const Act* a, float* out) {
-  const int64_t k = m.k, full = k / 16 * 16;
-  const float* x = a[0].f;
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) {
-    const float* w[4];
-    __m256 acc0[4], acc1[4];
-    for (int i = 0; i < 4; ++i) {
-      w[i] = reinterpret_cast<const float*>(m.w) + (r + i) * k;
-      acc0[i] = acc1[i] = _mm256_setzero_ps();
-    }
-    for (int64_t c = 0; c < full; c += 16) {
-      const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
-      for (int i = 0; i < 4; ++i) {
-        prefetch(w[i] + c);
-        acc0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w[i] + c), x0, acc0[i]);
-        acc1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w[i] + c + 8), x1, acc1[i]);
-      }
-    }
-    for (int i = 0; i < 4; ++i) {
-      float sum = hsum(_mm256_add_ps(acc0[i], acc1[i]));
-      for (int64_t j = full; j < k; ++j) sum += w[i][j] * x[j];
-      out[r + i - r0] = sum;
-    }
+// How one-token row dots read a plain weight format: 16 weights as two fp32 vectors (row_f32's / row_bf16's lanes),
+// one weight as fp32, a prefetch every `prefetch_every` weights, and the one-row kernel for leftover rows.
+struct F32Weights {
+  using T = float;
+  static constexpr int prefetch_every = 16;
+  static void load16(const float* p, __m256& w0, __m256& w1) {
+    w0 = _mm256_loadu_ps(p);
+    w1 = _mm256_loadu_ps(p + 8);
   }
-  for (; r < r1; ++r) row_f32<1>(reinterpret_cast<const float*>(m.w) + r * k, k, a, out + (r - r0));
-}
+  static float at(const float* p) { return *p; }
+  static void row(const float* w, int64_t k, const Act* a, float* out) { row_f32<1>(w, k, a, out); }
+};
 
-// bf16 rows against one activation, four rows at a time (as rows_f32_one); the bits of row_bf16<1>
-void rows_bf16_one(const Mat& m, int64_t r0, int64_t r1, const Act* a, float* out) {
+struct BF16Weights {
+  using T = uint16_t;
+  static constexpr int prefetch_every = 32;
+  static void load16(const uint16_t* p, __m256& w0, __m256& w1) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    w1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static float at(const uint16_t* p) { return bf16_to_f32(*p); }
+  static void row(const uint16_t* w, int64_t k, const Act* a, float* out) { row_bf16<1>(w, k, a, out); }
+};
+
+// fp32 or bf16 rows against one activation, four rows at a time: four weight streams in flight (one row's stream
+// leaves DRAM idle between its prefetches: 17 GB/s against 21-25 for four, fp32, 2 threads, V3's wo / wq_b; bf16
+// experts 1.24x). Each row's dot runs the one-row kernel's operations in its order, so the bits are its bits.
+template <class W>
+void rows_one(const Mat& m, int64_t r0, int64_t r1, const Act* a, float* out) {
+  using T = typename W::T;
   const int64_t k = m.k, full = k / 16 * 16;
   const float* x = a[0].f;
-  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const T* base = reinterpret_cast<const T*>(m.w);
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
-    const uint16_t* w[4];
+    const T* w[4];
     __m256 acc0[4], acc1[4];
     for (int i = 0; i < 4; ++i) {
-      w[i] = reinterpret_cast<const uint16_t*>(m.w) + (r + i) * k;
+      w[i] = base + (r + i) * k;
       acc0[i] = acc1[i] = _mm256_setzero_ps();
     }
     for (int64_t c = 0; c < full; c += 16) {
       const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
       for (int i = 0; i < 4; ++i) {
-        if (!(c & 31)) prefetch(w[i] + c);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i] + c));
-        acc0[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), x0, acc0[i]);
-        acc1[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, hi_mask)), x1, acc1[i]);
+        if (!(c % W::prefetch_every)) prefetch(w[i] + c);
+        __m256 w0, w1;
+        W::load16(w[i] + c, w0, w1);
+        acc0[i] = _mm256_fmadd_ps(w0, x0, acc0[i]);
+        acc1[i] = _mm256_fmadd_ps(w1, x1, acc1[i]);
       }
     }
     for (int i = 0; i < 4; ++i) {
       float sum = hsum(_mm256_add_ps(acc0[i], acc1[i]));
-      for (int64_t j = full; j < k; ++j) sum += bf16_to_f32(w[i][j]) * x[j];
+      for (int64_t j = full; j < k; ++j) sum += W::at(w[i] + j) * x[j];
       out[r + i - r0] = sum;
     }
   }
-  for (; r < r1; ++r) row_bf16<1>(reinterpret_cast<const uint16_t*>(m.w) + r * k, k, a, out + (r - r0));
+  for (; r < r1; ++r) W::row(base + r * k, k, a, out + (r - r0));
 }
 
 // rows [r0, r1) of m against nt (<= MAX_TOK) activations; out[t * ostride + (r - r0)]
 template <int NT>
 void rows_nt(const Mat& m, int64_t r0, int64_t r1, const Act* a, float* out, int64_t ostride) {
   if (NT == 1 && (m.fmt == F32 || m.fmt == BF16)) {
-    (m.fmt == F32 ? rows_f32_one : rows_bf16_one)(m, r0, r1, a, out);
+    (m.fmt == F32 ? rows_one<F32Weights> : rows_one<BF16Weights>)(m, r0, r1, a, out);
     return;
   }
   const int64_t G = m.groups();
