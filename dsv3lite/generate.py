@@ -105,17 +105,16 @@ class RunStats:
 
 # A decode step of a model this small is a few hundred tiny operators: on CPU, waking a second OpenMP thread for
 # each costs more than it saves (measured on the demo model, 2 cores: 1 thread ~20% faster than 2). Larger models
-# decode with every thread, and so does a model the CPU decode step runs whole (kernels/cpu_decode.py: a call per
-# block half, which uses one thread for small matrices by itself; the demo decodes 1.6-1.8x faster on 2 than on 1).
+# decode with every thread, and so does a model the CPU decode step runs whole (kernels/cpu_decode.py: its kernels
+# use one thread for small matrices by themselves; the demo decodes 1.6-1.8x faster on 2 than on 1): Engine.decode_threads.
 SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS = 50_000_000
 
 
-def decode_threads(args, device: torch.device, kernel_step: bool = False) -> int | None:
-    """Intra-op threads for CPU decode steps: 1 for tiny models on the eager path, None (torch's setting)
-    otherwise. kernel_step: the CPU decode step runs every block."""
+def decode_threads(args, device: torch.device) -> int | None:
+    """Intra-op threads for eager CPU decode steps: 1 for tiny models, None (torch's setting) otherwise."""
     from .footprint import footprint
 
-    if device.type != "cpu" or kernel_step or footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS:
+    if device.type != "cpu" or footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS:
         return None
     return 1
 
@@ -157,12 +156,13 @@ class Engine:
         self.offload = offload                            # the offloading runtime, when experts are offloaded
         self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
         self._kernel_step = device.type == "cpu" and cpu_decode.covers(model)
+        self._eager_threads = decode_threads(self.args, device)      # the size rule, once
 
     @property
     def decode_threads(self) -> int | None:
-        """Intra-op threads for this engine's decode steps (generate.decode_threads; DSV3LITE_CPU_DECODE is read
-        at each step)."""
-        return decode_threads(self.args, self.device, self._kernel_step and cpu_decode.enabled())
+        """Intra-op threads for this engine's decode steps: torch's setting where the CPU decode step runs every
+        block (DSV3LITE_CPU_DECODE is read at each step), else decode_threads' size rule."""
+        return None if self._kernel_step and cpu_decode.enabled() else self._eager_threads
 
     # --- public API ---------------------------------------------------------------------------
     @torch.inference_mode()
