@@ -178,14 +178,26 @@ def _plan(block, slot: str, build) -> _Plan:
     return plan
 
 
+def _block_plans(block) -> tuple[_Plan, _Plan]:
+    """(attention plan, feed-forward plan) of one block, kept on it."""
+    return _plan(block, "_cpu_decode_attention", _attention_plan), _plan(block, "_cpu_decode_ffn", _ffn_plan)
+
+
+def _fits(cache: torch.Tensor, start: int, seqlen: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the kernels can write the tokens' rows of cache [..., 1, Tmax, cache_dim] (fp32, contiguous, room
+    for them; else the eager path runs, or raises its own error) and read the RoPE rows cos / sin."""
+    return cache.dtype == torch.float32 and cache.shape[-3] == 1 and cache.is_contiguous() \
+        and start + seqlen <= cache.shape[-2] and cos.dtype == torch.float32 and cos.is_contiguous() \
+        and sin.is_contiguous()
+
+
 class _Layers(_Watched):
     """Every main layer's plans for one model (kept alive here), as the arrays dsv3_layers reads, and routing
     buffers for its MoE layers; valid while every plan's tensors are."""
 
     def __init__(self, model):
         blocks = list(model.layers)
-        self.plans = [(_plan(b, "_cpu_decode_attention", _attention_plan), _plan(b, "_cpu_decode_ffn", _ffn_plan))
-                      for b in blocks]
+        self.plans = [_block_plans(b) for b in blocks]
         plans = self.plans
         super().__init__([r() for a, f in plans for r in a.refs + f.refs])
         self.ok = all(a.desc is not None and f.desc is not None for a, f in plans)
@@ -212,9 +224,7 @@ def layers(model, h: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Ten
     if lib is None:
         return None
     seqlen = h.shape[1]
-    if cache.dtype != torch.float32 or cache.dim() != 4 or cache.shape[0] < len(model.layers) \
-            or cache.shape[1] != 1 or not cache.is_contiguous() or start + seqlen > cache.shape[2] \
-            or not (cos.is_contiguous() and sin.is_contiguous()) or cos.dtype != torch.float32:
+    if cache.dim() != 4 or cache.shape[0] < len(model.layers) or not _fits(cache, start, seqlen, cos, sin):
         return None
     plan = model.__dict__.get("_cpu_decode_layers")
     if plan is None or not plan.valid():
@@ -243,8 +253,7 @@ def covers(model) -> bool:
     """Whether the decode step runs every block of `model` (the kernels are there, on, and can read each block)."""
     if not enabled() or cpu_build.library() is None:
         return False
-    return all(_plan(b, "_cpu_decode_attention", _attention_plan).desc is not None
-               and _plan(b, "_cpu_decode_ffn", _ffn_plan).desc is not None for b in model.blocks())
+    return all(a.desc is not None and f.desc is not None for a, f in map(_block_plans, model.blocks()))
 
 
 def _usable(h: torch.Tensor):
@@ -263,9 +272,7 @@ def attention(block, h: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.
     if lib is None or cache is None:
         return None
     seqlen = h.shape[1]
-    if cache.dtype != torch.float32 or cache.shape[0] != 1 or not cache.is_contiguous() \
-            or start + seqlen > cache.shape[1] or not (cos.is_contiguous() and sin.is_contiguous()) \
-            or cos.dtype != torch.float32:
+    if cache.dim() != 3 or not _fits(cache, start, seqlen, cos, sin):
         return None
     plan = _plan(block, "_cpu_decode_attention", _attention_plan)
     if plan.desc is None:
