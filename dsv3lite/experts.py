@@ -120,6 +120,16 @@ class BlobExperts(nn.Module):
             return fused_moe(x, ids, weights, self.slot_table, self.blobs, self.layout)
         return combine_experts(self.expert, x, ids, weights)
 
+    def graph_safe(self, device: torch.device) -> bool:
+        """Whether a decode step's call reads nothing back to the host, so that a CUDA graph may hold it
+        (dsv3lite/graphs.py): the fused kernel on a GPU, the CPU kernel (tests' stand-in captures) without
+        --cpu-mem's per-read bookkeeping."""
+        if self.resident_cap is not None:
+            return False
+        if device.type == "cpu":
+            return cpu_experts.available(self.layout)
+        return bool(self.fmt.fused_kernel) and dispatch.use_kernels(device)
+
     def cpu_blobs(self):
         """(blob addresses [E], layout descriptor, tensors read) for the CPU decode step (kernels/cpu_decode.py),
         or None: not on the CPU, no compiled kernel for the layout, or --cpu-mem tracking each read."""

@@ -14,8 +14,9 @@ from typing import Iterator
 
 import torch
 
+from . import graphs
 from .errors import UserError
-from .kernels import cpu_decode
+from .kernels import cpu_decode, dispatch
 from .limits import ABSORB_MAX_TOKENS, LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from .offload.stats import empty_expert_cache_stats
 from .prefill import prefill_hidden
@@ -157,6 +158,9 @@ class Engine:
         self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
         self._kernel_step = device.type == "cpu" and cpu_decode.covers(model)
         self._eager_threads = decode_threads(self.args, device)      # the size rule, once
+        # on a GPU, decode steps replayed from CUDA graphs (graphs.py; DSV3LITE_GRAPHS=0: the eager step)
+        self.graphs = graphs.DecodeGraphs(model, log=self.log) if device.type == "cuda" and graphs.enabled() \
+            and dispatch.use_kernels(device) and graphs.supported(model) else None
 
     @property
     def decode_threads(self) -> int | None:
@@ -228,6 +232,7 @@ class Engine:
             "mtp": self.speculator.stats(s.drafted, s.accepted, decode_tokens, s.main_forwards),
             "expert_cache": expert,
             "memory": self._memory(),
+            "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
         }
 
     # --- internals ----------------------------------------------------------------------------
@@ -263,8 +268,11 @@ class Engine:
 
     def _forward(self, tokens: list[int], start: int, all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Main model over `tokens` at positions start.. -> (final-normed hidden [S, D], logits [S or 1, V])."""
-        x = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        h = self.model.hidden(x, start, self._main_cache(), absorb=len(tokens) <= ABSORB_MAX_TOKENS)[0]
+        h = self.graphs.hidden(tokens, start, self._main_cache()) if self.graphs is not None else None
+        if h is None:
+            x = torch.tensor([tokens], dtype=torch.long, device=self.device)
+            h = self.model.hidden(x, start, self._main_cache(), absorb=len(tokens) <= ABSORB_MAX_TOKENS)
+        h = h[0]
         return h, self.model.head(h if all_logits else h[-1:])
 
     def _prefill(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -243,6 +243,15 @@ class MLA(nn.Module):
         out = attend(q_nope, q_pe, kv)                    # [B, S, H, dv]
         return self.wo(out.flatten(2))
 
+    def decode_at(self, x: torch.Tensor, positions: torch.Tensor, seqlens: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """forward(x, start, cos, sin, cache, absorb=True) with the positions as device tensors, for a CUDA graph
+        (dsv3lite/graphs.py): positions int64 [S] (start..start+S-1), seqlens int32 [1] (start + S); cache
+        [1, Tmax, latent_dim] is written at the positions and read whole, up to seqlens. Dense MLA only."""
+        q_nope, q_pe, latent, _ = self.project(x, cos, sin)
+        cache[0].index_copy_(0, positions, latent[0].to(cache.dtype))
+        return self.wo(self._attend_absorbed(q_nope, q_pe, cache, seqlens=seqlens).flatten(2))
+
     def _indexed(self, x, start, cos, sin, cache, attend, q_nope, q_pe, latent, q_latent):
         """V3.2: cache the indexer's keys next to the latents; beyond index_topk tokens of context, attend only
         to the tokens the indexer selects for each query."""
@@ -289,8 +298,9 @@ class MLA(nn.Module):
             return w[:, :a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:].transpose(1, 2)
         return inference_views(self, (weight,), views)
 
-    def _attend_absorbed(self, q_nope, q_pe, kv, selected=None):
-        """Attention over the latent cache itself: q_nope is folded into W_UK, V is the latent (decode)."""
+    def _attend_absorbed(self, q_nope, q_pe, kv, selected=None, seqlens=None):
+        """Attention over the latent cache itself: q_nope is folded into W_UK, V is the latent (decode).
+        seqlens: see mla_attend (kv is then the whole cache)."""
         a = self.args
         bsz, seqlen, _, _ = q_nope.shape
         h = self.n_heads
@@ -299,7 +309,7 @@ class MLA(nn.Module):
         q_abs = torch.bmm(q_nope.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uk)           # [H, BS, c]
         q_abs = q_abs.transpose(0, 1).reshape(bsz, seqlen, h, a.kv_lora_rank)
         q = torch.cat([q_abs, q_pe], dim=-1)                             # [B, S, H, kv_lora + dr]
-        out_latent = mla_attend(q, kv, a.softmax_scale, a.kv_lora_rank, selected)
+        out_latent = mla_attend(q, kv, a.softmax_scale, a.kv_lora_rank, selected, seqlens)
         # out[b, s, h] = out_latent[b, s, h] @ W_UV[h]^T
         out = torch.bmm(out_latent.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uv_t)  # [H, BS, dv]
         return out.transpose(0, 1).reshape(bsz, seqlen, h, a.v_head_dim)

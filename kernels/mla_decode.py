@@ -379,11 +379,15 @@ def _sparse_latent_attention(q, keys, softmax_scale, kv_lora_rank, indices):
 
 
 def mla_attend(q: torch.Tensor, latent_cache: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
-               indices: torch.Tensor | None = None) -> torch.Tensor:
+               indices: torch.Tensor | None = None, seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """The model's absorbed attention: q [B, Sq, H, Dk] over every row of latent_cache [B, T, Dk] (the last Sq
     rows are the queries' own), or with indices [B, Sq, K] int32 only over the rows each query's list names
     -> out [B, Sq, H, kv_lora_rank]. The kernel where kernels run; one sequence on the CPU takes
-    `latent_attention`; otherwise the twin (e.g. DSV3LITE_KERNELS=ref on a GPU)."""
+    `latent_attention`; otherwise the twin (e.g. DSV3LITE_KERNELS=ref on a GPU). seqlens (int32 [B], on the
+    device): the valid rows of each sequence, when latent_cache is the whole cache (a CUDA graph's decode step,
+    dsv3lite/graphs.py: the length is read on the device, and the split count follows from the capacity T)."""
+    if seqlens is not None:
+        return mla_decode_auto(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, indices=indices)[0]
     if q.shape[0] == 1 and q.device.type == "cpu" and not dispatch.use_kernels(q.device):
         return latent_attention(q[0], latent_cache[0], softmax_scale, kv_lora_rank,
                                 None if indices is None else indices[0])[None]

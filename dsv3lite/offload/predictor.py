@@ -111,9 +111,13 @@ class RoutePredictor:
         ids = []
         ahead = targets
         if targets[0][0] == 0 and targets[0][1] is layer:    # exact: the layer's own norm and gate, kept for its ffn
-            normed = layer.ffn_norm(h)
-            routed = layer.ffn.gate(normed.reshape(flat.shape))
-            layer.prepared, layer.ffn.prepared = (h, normed), (normed, routed)
+            ready = layer.prepared
+            if ready is not None and ready[0] is h and layer.ffn.prepared is not None:
+                routed = layer.ffn.prepared[1]               # already computed (a CUDA graph's step: graphs.py)
+            else:
+                normed = layer.ffn_norm(h)
+                routed = layer.ffn.gate(normed.reshape(flat.shape))
+                layer.prepared, layer.ffn.prepared = (h, normed), (normed, routed)
             ids.append(routed[1])
             ahead = targets[1:]
         if ahead:

@@ -1,0 +1,405 @@
+"""CUDA graphs of the decode step: the resident work of every layer replayed, not launched op by op.
+
+A DeepSeek-V3 decode step is 61 layers of a few dozen small kernels each; at batch 1 the GPU finishes each kernel
+sooner than Python launches the next, so the host sets the speed. `DecodeGraphs` runs a step of 1..ABSORB_MAX_TOKENS
+tokens as a short list of *segments*: the longest runs of work that read nothing back to the host, each captured
+once into a CUDA graph and replayed, with the rest between them run as usual:
+
+  captured   the embedding and RoPE rows, each layer's norms, attention (MLA.decode_at: the Triton decode kernel
+             over the whole latent cache, the length read on the device), dense MLP, router and shared experts,
+             and the routed experts where their provider reads nothing back (resident blobs: the fused MoE kernel;
+             `graph_safe`), the residual sums and the final norm
+  run as is  routed experts that the host schedules (offloading: the runtime reads the routing and moves
+             experts), and the observers (offloading's predictor after attention, routing watchers), called after
+             the segment that computed their inputs, in layer order, with what the layer's feed-forward handed
+             them in eager decode (`Block.prepared`, `MoE.prepared`)
+
+A fully resident model with blob experts is one graph per step; an offloaded V3 is 59 (one per MoE layer, plus
+one). The eager path is the twin: a segment's first run is eager (which also warms up kernels), then it is
+captured and replayed, and on its next step (a new position) it runs both ways once more; any difference turns
+graphs off for the engine with one line (DSV3LITE_GRAPHS=0 turns them off from the start). Graphs of one step
+size share one memory pool. Off CUDA the same segments run with a stand-in capture (tests: `capture=`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .limits import ABSORB_MAX_TOKENS
+from .model import as_dtype
+
+ENV = "DSV3LITE_GRAPHS"
+
+
+def enabled() -> bool:
+    """False when DSV3LITE_GRAPHS=0 (or off / eager) asks for the eager decode step."""
+    return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "eager", "false", "no")
+
+
+def supported(model) -> bool:
+    """Dense MLA in every main layer (V3.2's indexer picks rows on the host's schedule: not captured)."""
+    return all(block.attn.indexer is None for block in model.layers)
+
+
+class _Op:
+    """One piece of a step: fn(env) updates the step's named tensors in place. capturable: reads nothing back to
+    the host; hook: an observer call, run after the segment that computed its inputs (never captured)."""
+    __slots__ = ("name", "fn", "capturable", "hook")
+
+    def __init__(self, name: str, fn, capturable: bool = True, hook: bool = False):
+        self.name, self.fn, self.capturable, self.hook = name, fn, capturable, hook
+
+
+def _ops(model, watchers: list, routing: list, device: torch.device) -> list[_Op]:
+    """The step as ops, in eager decode's order (hooks where eager calls them, routed experts where it runs them)."""
+    cos_t, sin_t = model.rotary.cos, model.rotary.sin
+
+    def embed(env):
+        h = env["h"] = model.embed(env["tokens"])
+        env["seqlens"] = env["seqlen64"].to(torch.int32)
+        env["cos"] = as_dtype(cos_t.index_select(0, env["positions"]), h.dtype)[:, None]
+        env["sin"] = as_dtype(sin_t.index_select(0, env["positions"]), h.dtype)[:, None]
+
+    ops = [_Op("embed", embed)]
+    for i, block in enumerate(model.layers):
+        ops.append(_Op(f"layer {i} attention", _attention(block, i)))
+        if block.is_moe:
+            ops.append(_Op(f"layer {i} router and shared experts", _moe_pre(block, i)))
+        if watchers:
+            ops.append(_Op(f"layer {i} attention observers", _watch(block, i, watchers), capturable=False, hook=True))
+        if not block.is_moe:
+            ops.append(_Op(f"layer {i} MLP", _mlp(block)))
+            continue
+        if routing:
+            ops.append(_Op(f"layer {i} routing observers", _route_watch(block, i, routing), capturable=False,
+                           hook=True))
+        safe = getattr(block.ffn.experts, "graph_safe", None)
+        ops.append(_Op(f"layer {i} routed experts", _routed(block, i), capturable=bool(safe and safe(device))))
+        ops.append(_Op(f"layer {i} residual", _residual(i)))
+
+    def final(env):
+        env["out"] = model.norm(env["h"])
+    ops.append(_Op("final norm", final))
+    return ops
+
+
+def _attention(block, i):
+    def fn(env):
+        h = env["h"]
+        attn = block.attn.decode_at(block.attn_norm(h), env["positions"], env["seqlens"], env["cos"], env["sin"],
+                                    env["cache"][i])
+        env["h"] = env[("h", i)] = h + attn
+    return fn
+
+
+def _moe_pre(block, i):
+    """MoE.forward up to the routed experts: the norm, the router, the shared experts (queued first, as eager)."""
+    def fn(env):
+        x = env[("x", i)] = block.ffn_norm(env["h"])
+        weights, ids, scores = block.ffn.gate(x.reshape(-1, x.shape[-1]))
+        env[("weights", i)], env[("ids", i)], env[("scores", i)] = weights, ids, scores
+        env[("shared", i)] = block.ffn.shared_experts(x)
+    return fn
+
+
+def _routed(block, i):
+    def fn(env):
+        x = env[("x", i)]
+        env[("routed", i)] = block.ffn.experts(x.reshape(-1, x.shape[-1]), env[("ids", i)],
+                                               env[("weights", i)]).view(x.shape)
+    return fn
+
+
+def _residual(i):
+    def fn(env):
+        env["h"] = env[("h", i)] + (env[("routed", i)] + env[("shared", i)])
+    return fn
+
+
+def _mlp(block):
+    def fn(env):
+        h = env["h"]
+        env["h"] = h + block.ffn(block.ffn_norm(h))
+    return fn
+
+
+def _watch(block, i, watchers):
+    """The attention observers with the layer's output; a MoE layer's norm and routing handed on as eager decode
+    hands them (the predictor reuses them instead of computing them again)."""
+    def fn(env):
+        h = env[("h", i)]
+        if block.is_moe:
+            x = env[("x", i)]
+            block.prepared = (h, x)
+            block.ffn.prepared = (x, (env[("weights", i)], env[("ids", i)], env[("scores", i)]))
+        try:
+            for watch in watchers:
+                watch(block, h)
+        finally:
+            block.prepared = None
+            if block.is_moe:
+                block.ffn.prepared = None
+    return fn
+
+
+def _route_watch(block, i, routing):
+    def fn(env):
+        ids, scores = env[("ids", i)].clone(), env[("scores", i)].clone()   # the graph rewrites its own next step
+        for watch in routing:
+            watch(block.layer_id, ids, scores)
+    return fn
+
+
+class GraphMismatch(Exception):
+    """A replayed segment's outputs differ from its eager ops' (the graphs turn off)."""
+
+
+class _Segment:
+    """A run of capturable ops and the hooks that follow them: eager on its first run, then captured, replayed,
+    and checked against the eager ops once more on the next run (a new position: nothing of the first step may
+    be baked into the graph)."""
+
+    def __init__(self, ops: list[_Op], hooks: list[_Op]):
+        self.ops, self.hooks = ops, hooks
+        self.replay = None
+        self.inputs: dict = {}          # key -> the static tensor the graph reads
+        self.copied: list = []          # keys whose value is copied into the static tensor before each replay
+        self.outputs: dict = {}         # key -> the static tensor the graph writes
+        self.checks_left = 1            # eager-vs-replay comparisons still to run after the capture step
+
+    @property
+    def name(self) -> str:
+        return self.ops[0].name if len(self.ops) == 1 else f"{self.ops[0].name} .. {self.ops[-1].name}"
+
+    def eager(self, env: dict) -> dict:
+        out = dict(env)
+        for op in self.ops:
+            op.fn(out)
+        return out
+
+    def _written(self, env: dict) -> dict:
+        """The ops over env -> only the entries they wrote (new keys, or new tensors under old keys)."""
+        out = self.eager(env)
+        return {k: v for k, v in out.items() if k not in env or v is not env[k]}
+
+    def run(self, env: dict, runner: "DecodeGraphs") -> dict:
+        if self.replay is None:
+            reference = runner.warm(self._written, env)
+            self._capture(env, runner)
+        else:
+            for key in self.copied:
+                self.inputs[key].copy_(env[key])
+            reference = None
+            if self.checks_left:
+                self.checks_left -= 1
+                reference = self._written(env)
+        self.replay()
+        if reference is not None:
+            self._compare(reference, runner)
+        return {**env, **self.outputs}
+
+    def _capture(self, env: dict, runner: "DecodeGraphs") -> None:
+        """Static inputs: the tensors earlier graphs write, and the cache, read in place; copies of the others."""
+        self.inputs, self.copied = {}, []
+        for key, value in env.items():
+            if isinstance(value, torch.Tensor) and not runner.is_static(value):
+                value = value.clone()
+                self.copied.append(key)
+            self.inputs[key] = value
+        self.outputs, self.replay = runner.capture(lambda: self._written(self.inputs))
+        runner.mark_static(self.outputs.values())
+
+    def _compare(self, reference: dict, runner: "DecodeGraphs") -> None:
+        for key, static in self.outputs.items():
+            ref = reference[key]
+            if static.is_floating_point():
+                scale = max(float(ref.abs().max()), 1.0) if ref.numel() else 1.0
+                bad = ref.numel() > 0 and float((static.float() - ref.float()).abs().max()) > \
+                    runner.tolerance(static.dtype) * scale
+            else:
+                bad = not torch.equal(static, ref)
+            if bad:
+                raise GraphMismatch(f"{self.name}: the replayed {key} differs from the eager one")
+
+
+class _StepPlan:
+    """The segments (and the eager ops between them) of one step size over one cache, and its static inputs:
+    one int64 buffer of tokens | positions | length, written by one copy per step."""
+
+    def __init__(self, model, runner: "DecodeGraphs", seqlen: int, cache: torch.Tensor, watchers, routing):
+        self.seqlen, self.cache = seqlen, cache
+        self.packed = torch.zeros(2 * seqlen + 1, dtype=torch.int64, device=cache.device)
+        self.static = {"tokens": self.packed[:seqlen].view(1, seqlen), "positions": self.packed[seqlen:2 * seqlen],
+                       "seqlen64": self.packed[2 * seqlen:], "cache": cache}
+        runner.mark_static(self.static.values())
+        self.items: list = []                       # _Segment, or an eager _Op between segments
+        current: list[_Op] = []
+        hooks: list[_Op] = []
+        for op in _ops(model, watchers, routing, cache.device):
+            if op.capturable:
+                current.append(op)
+            elif op.hook and current:
+                hooks.append(op)                    # reads what the segment wrote under per-layer keys
+            else:
+                self._close(current, hooks)
+                current, hooks = [], []
+                self.items.append(op)
+        self._close(current, hooks)
+
+    def _close(self, ops: list[_Op], hooks: list[_Op]) -> None:
+        if ops:
+            self.items.append(_Segment(ops, hooks))
+
+    @property
+    def n_graphs(self) -> int:
+        return sum(isinstance(item, _Segment) for item in self.items)
+
+
+class DecodeGraphs:
+    """The decode steps of one model, replayed from CUDA graphs (see the module docstring). `hidden` is
+    Transformer.hidden for a decode step of batch 1, or None where graphs do not apply (the caller runs the
+    eager step). capture(fn) -> (outputs, replay): the capture to use (default: CUDA graphs on the cache's device);
+    log: where the one line goes when graphs turn themselves off."""
+
+    def __init__(self, model, log=None, capture=None):
+        self.model = model
+        self.log = log or (lambda msg: None)
+        self._capture = capture
+        self.plans: dict = {}
+        self.off_reason: str | None = None
+        self._static: set[int] = set()              # ids of the tensors graphs write or read in place
+        self._keep: list = []                       # ... kept alive while their ids are in use
+        self._pools: dict = {}                       # step size -> the memory pool its graphs share
+        self._pool_key = 1
+        self._stream = None
+
+    # --- the step ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def hidden(self, tokens: list[int], start: int, cache: torch.Tensor) -> torch.Tensor | None:
+        """The main layers over `tokens` at positions start.. -> final-normed hidden [1, S, D] (a new tensor), or
+        None (graphs are off, or do not apply to this step). cache: the main layers' [n_layers, 1, Tmax, latent]."""
+        seqlen = len(tokens)
+        if self.off_reason is not None or not 1 <= seqlen <= ABSORB_MAX_TOKENS or cache.dim() != 4 \
+                or cache.shape[1] != 1 or start + seqlen > cache.shape[2] \
+                or cache.shape[-1] != self.model.args.latent_dim:
+            return None
+        model = self.model
+        watchers, routing = model.observers.attention, model.observers.routing
+        key = (seqlen, cache.data_ptr(), tuple(cache.shape), tuple(map(id, watchers)), tuple(map(id, routing)),
+               tuple(id(b.ffn.experts) for b in model.layers if b.is_moe))
+        plan = self.plans.get(key)
+        if plan is None:
+            if any(k[1] != cache.data_ptr() for k in self.plans):
+                self._reset()                           # a new cache: the old graphs write the old one
+            model.rotary.tables(cache.shape[2], cache.device)        # every position's rows, before any capture
+            plan = self.plans[key] = _StepPlan(model, self, seqlen, cache, list(watchers), list(routing))
+        plan.packed.copy_(torch.tensor(tokens + list(range(start, start + seqlen)) + [start + seqlen]))
+        env = dict(plan.static)
+        self._pool_key = seqlen
+        for item in plan.items:
+            if not isinstance(item, _Segment):
+                item.fn(env)
+                continue
+            if self.off_reason is not None:
+                env = item.eager(env)
+            else:
+                try:
+                    env = item.run(env, self)
+                except GraphMismatch as e:
+                    self._turn_off(str(e))
+                    env = item.eager(env)
+                except Exception as e:                  # a capture the driver or a library refused
+                    self._turn_off(f"capture failed in {item.name}: {str(e).strip().splitlines()[0]}")
+                    env = item.eager(env)
+            for hook in item.hooks:
+                hook.fn(env)
+        return env["out"].clone()
+
+    def _reset(self) -> None:
+        if self._stream is not None:
+            torch.cuda.synchronize()                    # nothing replayed may still run when its graph goes
+        self.plans.clear()
+        self._static.clear()
+        self._keep.clear()
+        self._pools.clear()
+
+    def _turn_off(self, why: str) -> None:
+        self.off_reason = why
+        self._reset()
+        self.log(f"CUDA graphs off for this engine ({why}); decoding eagerly")
+
+    # --- what segments ask for ---------------------------------------------------------------------------
+    def is_static(self, t: torch.Tensor) -> bool:
+        return id(t) in self._static
+
+    def mark_static(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._static.add(id(t))
+                self._keep.append(t)
+
+    @staticmethod
+    def tolerance(dtype: torch.dtype) -> float:
+        return 1e-5 if dtype == torch.float32 else 2e-2
+
+    def warm(self, fn, env: dict) -> dict:
+        """fn(env) eagerly; on CUDA on a side stream (the warm-up a capture wants: libraries set up their
+        handles and workspaces outside it)."""
+        cache = env["cache"]
+        if cache.device.type != "cuda":
+            return fn(env)
+        stream = self._side_stream(cache.device)
+        stream.wait_stream(torch.cuda.current_stream(cache.device))
+        with torch.cuda.stream(stream):
+            out = fn(env)
+        torch.cuda.current_stream(cache.device).wait_stream(stream)
+        return out
+
+    def capture(self, fn):
+        """fn() captured -> (its outputs, the replay); the segments of a step size share a memory pool."""
+        if self._capture is not None:
+            return self._capture(fn)
+        device = torch.device("cuda", torch.cuda.current_device())
+        pool = self._pools.get(self._pool_key)
+        if pool is None:
+            pool = self._pools[self._pool_key] = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        stream = self._side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                out = fn()
+            except BaseException:
+                try:
+                    graph.capture_end()                 # ends the (invalidated) capture; its error is the first one
+                except Exception:
+                    pass
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self._keep.append(graph)
+        return out, graph.replay
+
+    def _side_stream(self, device):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def stats(self) -> dict:
+        """{"graphs": per step size, segments captured / replayed per step; "off": why they turned off}."""
+        sizes = {plan.seqlen: plan.n_graphs for plan in self.plans.values()}
+        return {"graphs_per_step": sizes, "off": self.off_reason}
+
+
+def eager_capture(fn):
+    """A stand-in for a CUDA graph off the GPU (tests): fn's outputs in static tensors that each replay rewrites
+    from the static inputs fn reads, as a graph's are. (What a real capture adds, that nothing may read back to the
+    host or depend on a Python value of the step, is what the second-step check compares on a GPU.)"""
+    static = {k: v.clone() for k, v in fn().items()}
+
+    def replay():
+        for k, v in fn().items():
+            static[k].copy_(v)
+    return static, replay

@@ -1,0 +1,195 @@
+"""The decode step as CUDA-graph segments (dsv3lite/graphs.py), run here with the stand-in capture: its steps give
+the eager decode's hidden states and tokens (resident, blob experts, MTP verification, offloaded, at V3's routing
+geometry), observers see what they see in eager decode, and a replay that differs from the eager ops, or a capture
+that fails, turns graphs off with one line and the step still gives the right answer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv3lite
+from dsv3lite import graphs
+from dsv3lite.graphs import DecodeGraphs, eager_capture
+from dsv3lite.testing import offload_budget, write_geometry_checkpoint
+
+EAGER_STEP = True                 # the reference step is the eager model path (conftest.py), not the C++ step
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPT = "The capital of France is"
+
+
+def load(**kw):
+    llm = dsv3lite.load(None, device="cpu", progress=False, log=lambda m: None, **kw)
+    llm.stop_ids = set()
+    return llm
+
+
+def with_graphs(llm, capture=eager_capture):
+    logs: list[str] = []
+    llm.graphs = DecodeGraphs(llm.model, log=logs.append, capture=capture)
+    return logs
+
+
+def greedy(llm, n=12, prompt=PROMPT):
+    llm.reset()
+    return [c.token_id for c in llm.generate(prompt, max_tokens=n)]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load(mtp=False)
+
+
+def decode_pair(llm, steps=5):
+    """Hidden states of `steps` decode steps after a 4-token prompt, eager and through graphs, and their caches."""
+    model = llm.model
+    cache = llm._ensure_cache()
+    main = llm._main_cache()
+    runner = DecodeGraphs(model, capture=eager_capture)
+    tokens = [11, 23, 5, 42] + [7 * i + 3 for i in range(steps)]
+    with torch.inference_mode():
+        cache.zero_()
+        model.hidden(torch.tensor([tokens[:4]]), 0, main)
+        start = cache.clone()
+        eager = [model.hidden(torch.tensor([[t]]), 4 + i, main, absorb=True) for i, t in enumerate(tokens[4:])]
+        eager_cache = cache.clone()
+        cache.copy_(start)
+        replayed = [runner.hidden([t], 4 + i, main) for i, t in enumerate(tokens[4:])]
+    return eager, replayed, eager_cache, cache.clone(), runner
+
+
+def test_graph_steps_give_the_eager_hidden_states_and_cache(demo):
+    eager, replayed, eager_cache, cache, runner = decode_pair(demo)
+    for a, b in zip(eager, replayed):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache, eager_cache, rtol=1e-5, atol=1e-5)
+    n_moe = sum(b.is_moe for b in demo.model.layers)
+    # dense experts read their routing on the host: one segment before each MoE layer's experts, one after the last
+    assert runner.stats() == {"graphs_per_step": {1: n_moe + 1}, "off": None}
+
+
+def test_blob_experts_make_the_whole_step_one_graph():
+    llm = load(mtp=False, experts="int4")
+    eager, replayed, _, _, runner = decode_pair(llm, steps=3)
+    for a, b in zip(eager, replayed):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert runner.stats()["graphs_per_step"] == {1: 1}
+
+
+def test_engine_tokens_with_graphs_equal_eager_ones_with_and_without_mtp():
+    for mtp in (False, True):
+        llm = load(mtp=mtp, mtp_adaptive=False)
+        expected = greedy(llm)
+        logs = with_graphs(llm)
+        assert greedy(llm) == expected and not logs
+        sizes = llm.graphs.stats()["graphs_per_step"]
+        assert set(sizes) == ({2} if mtp else {1})             # MTP verification: every step is 2 tokens
+        assert llm.stats()["cuda_graphs"]["off"] is None
+
+
+def test_observers_see_what_they_see_in_eager_decode(demo):
+    seen: dict[str, list] = {"eager": [], "graphs": []}
+    where = ["eager"]
+
+    def on_attention(block, h):
+        seen[where[0]].append(("attention", block.layer_id, h.clone()))
+
+    def on_routing(layer_id, ids, scores):
+        seen[where[0]].append(("routing", layer_id, ids.sort(dim=-1).values.clone()))
+
+    handle = demo.model.add_observer(on_attention=on_attention, on_routing=on_routing)
+    try:
+        demo.graphs = None
+        greedy(demo, n=4)
+        with_graphs(demo)
+        where[0] = "graphs"
+        greedy(demo, n=4)
+    finally:
+        handle.remove()
+        demo.graphs = None
+    # prefill runs eagerly both times; the decode steps' calls come in the same order with the same values
+    assert [e[:2] for e in seen["eager"]] == [e[:2] for e in seen["graphs"]]
+    for (kind, _, a), (_, _, b) in zip(seen["eager"], seen["graphs"]):
+        if kind == "routing":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def baked_capture(fn):
+    """A capture that keeps the first step's values (what a graph does with a position read as a Python int)."""
+    static = {k: v.clone() for k, v in fn().items()}
+    return static, lambda: None
+
+
+def failing_capture(fn):
+    raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+
+@pytest.mark.parametrize("capture, reason", [(baked_capture, "differs from the eager one"),
+                                             (failing_capture, "capture failed in embed")])
+def test_a_wrong_replay_or_a_failed_capture_turns_graphs_off_with_one_line(demo, capture, reason):
+    demo.graphs = None
+    expected = greedy(demo)
+    logs = with_graphs(demo, capture)
+    try:
+        assert greedy(demo) == expected
+        assert len(logs) == 1 and reason in logs[0] and "decoding eagerly" in logs[0] and "\n" not in logs[0]
+        assert demo.graphs.stats()["off"] is not None and not demo.graphs.plans
+    finally:
+        demo.graphs = None
+
+
+def test_graphs_step_aside_where_they_do_not_apply(demo, monkeypatch):
+    runner = DecodeGraphs(demo.model, capture=eager_capture)
+    cache = demo._ensure_cache()
+    main = demo._main_cache()
+    with torch.inference_mode():
+        assert runner.hidden(list(range(5)), 0, main) is None                  # more tokens than a decode step
+        assert runner.hidden([1], main.shape[2], main) is None                 # past the context
+    monkeypatch.setenv(graphs.ENV, "0")
+    assert not graphs.enabled()
+    monkeypatch.setenv(graphs.ENV, "1")
+    assert graphs.enabled()
+    assert cache is demo.cache
+
+
+def test_the_predictor_reuses_the_routing_a_graph_computed(v3_dir):
+    """Offloaded on the simulated tier: tokens equal resident ones, and each MoE layer's router runs once a step
+    (the predictor takes the graph's routing instead of computing it again)."""
+    kw = dict(device="cpu", ctx_size=160, progress=False, log=lambda m: None, mtp=False, experts="bf16")
+    resident = dsv3lite.load(v3_dir, **kw)
+    llm = dsv3lite.load(v3_dir, gpu_mem=offload_budget(v3_dir, 8, "bf16", ctx=160, mtp=False), miss_policy="fetch",
+                        **kw)
+    assert llm.offload is not None
+    for engine in (resident, llm):
+        engine.stop_ids = set()
+    expected = greedy(resident)
+    with_graphs(llm)
+    calls = []
+    for moe in llm.model.moe_modules():
+        moe.gate.register_forward_hook(lambda *a: calls.append(1))
+    assert greedy(llm) == expected
+    n_moe = sum(b.is_moe for b in llm.model.layers)
+    decode_steps = llm.stats()["generated_tokens"] - 1
+    assert llm.graphs.stats()["graphs_per_step"] == {1: n_moe + 1}
+    # the prefill, each step's replay, and 3 more: the stand-in runs the ops to warm up, to capture and in the
+    # second step's check (the predictor computing the routing again would add one per step)
+    assert len(calls) == n_moe * (1 + decode_steps + 3)
+    assert llm.stats()["expert_cache"]["demand_misses"] > 0
+
+
+def test_offloaded_graph_steps_at_v3_geometry_equal_resident_ones(tmp_path):
+    widths = dict(hidden_size=32, moe_intermediate_size=16, intermediate_size=64, q_lora_rank=16, kv_lora_rank=16)
+    path = write_geometry_checkpoint(tmp_path / "geometry", **widths)
+    kw = dict(device="cpu", ctx_size=64, experts="bf16", progress=False, log=lambda m: None, mtp=False)
+    resident = dsv3lite.load(path, **kw)
+    offloaded = dsv3lite.load(path, gpu_mem=offload_budget(path, 200, "bf16", ctx=64, mtp=False), miss_policy="fetch", **kw)
+    prompt = list(range(5, 21))
+    for llm in (resident, offloaded):
+        llm.stop_ids = set()
+        with_graphs(llm)
+    tokens = [greedy(llm, n=6, prompt=prompt) for llm in (resident, offloaded)]
+    assert tokens[0] == tokens[1]
+    assert resident.graphs.stats()["graphs_per_step"] == {1: 1}                  # 61 layers, one graph
+    assert offloaded.graphs.stats()["graphs_per_step"] == {1: 59}                # one per MoE layer, plus one
+    assert offloaded.stats()["expert_cache"]["demand_misses"] > 0
