@@ -6,7 +6,7 @@
 # Installs the project offline (pip install --no-deps --no-build-isolation -e .), then runs the stages in
 # order of value, each under its own timeout, each writing markdown tables into RESULTS_DIR as it goes, so a
 # run cut short keeps what it measured. RESULTS_DIR/SUMMARY.md lists every stage with its status and time.
-# The whole suite stays within about 4 minutes.
+# The whole suite stays within about 5 minutes.
 #
 # Adding a stage: write a function stage_<name> (it runs in its own bash, with ROOT, RESULTS_DIR and PYTHON
 # exported, from the repository root) and add "<name> <timeout_s>" to STAGES in the order of value.
@@ -49,6 +49,14 @@ stage_kernels() {
     "$PYTHON" benchmarks/gpu_kernels.py "$RESULTS_DIR" --budget-s 75
 }
 
+# ---- stage: graphs --------------------------------------------------------------------------------------
+# The decode step replayed from CUDA graphs against the eager step, resident and offloaded at 25%, at V3's routing
+# geometry (tiny widths: host time): tok/s, graphs per step, tokens equal, and why graphs turned off if they did.
+# Writes graphs.md. About 30-60 s.
+stage_graphs() {
+    "$PYTHON" benchmarks/gpu_graphs.py "$RESULTS_DIR" --tokens 64 --rounds 3
+}
+
 # ---- stage: offload -------------------------------------------------------------------------------------
 # Expert offloading on synthetic DeepSeek-V3-shaped layers (4 MoE layers x 256 int4 experts, built in
 # memory): pinned copy peak; decode tok/s all-resident vs offloaded with prefetch vs on demand at 25% and 50%
@@ -78,6 +86,7 @@ stage_kernel_tests() {
 # ---- runner ---------------------------------------------------------------------------------------------
 STAGES=(
     "kernels 110"
+    "graphs 90"
     "offload 120"
     "kernel_tests 45"
 )

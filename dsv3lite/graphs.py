@@ -368,7 +368,7 @@ class DecodeGraphs:
         stream = self._side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool)
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")   # the pinner may allocate meanwhile
             try:
                 out = fn()
             except BaseException:

@@ -193,3 +193,27 @@ def test_offloaded_graph_steps_at_v3_geometry_equal_resident_ones(tmp_path):
     assert resident.graphs.stats()["graphs_per_step"] == {1: 1}                  # 61 layers, one graph
     assert offloaded.graphs.stats()["graphs_per_step"] == {1: 59}                # one per MoE layer, plus one
     assert offloaded.stats()["expert_cache"]["demand_misses"] > 0
+
+
+def test_graph_steps_on_the_triton_decode_kernel(monkeypatch, v3_dir):
+    """The graphs' attention reads the length on the device and the whole cache (the Triton kernel, in the
+    interpreter here): the same tokens and close logits as the eager kernel path, which reads a slice."""
+    from dsv3lite.kernels import dispatch
+
+    if not dispatch.interpreted():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py)")
+    monkeypatch.setenv("DSV3LITE_KERNELS", "triton")
+    llm = dsv3lite.load(v3_dir, device="cpu", ctx_size=96, progress=False, log=lambda m: None, mtp=False,
+                        experts="int4")
+    llm.stop_ids = set()
+
+    def run():
+        tokens = greedy(llm, n=5, prompt="The quick brown fox jumps over")
+        with torch.inference_mode():
+            return tokens, llm._forward([tokens[-1]], len(llm.cached_tokens), all_logits=True)[1]
+
+    ref_tokens, ref_logits = run()
+    logs = with_graphs(llm)
+    got_tokens, got_logits = run()
+    assert got_tokens == ref_tokens and not logs
+    torch.testing.assert_close(got_logits, ref_logits, atol=2e-3, rtol=2e-3)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ..config import ModelArgs
 from ..errors import UserError
 from ..footprint import footprint, indexer_fp32_params, unpacked_attention_params
-from ..limits import LAYER_MAJOR_TOKENS, PREFILL_CHUNK
+from ..limits import ABSORB_MAX_TOKENS, LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from ..model import INDEX_SCORE_ELEMENTS
 from ..utils import format_bytes
 
@@ -115,7 +115,22 @@ def workspace_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
     # a layer-major prefill group's hidden states, held across each layer (dsv3lite/prefill.py): the residual,
     # its norm, the routed output and the observers' concatenated copy
     group = min(LAYER_MAJOR_TOKENS, ctx_size) * a.hidden_size * dense_bytes * 4 if ctx_size > chunk else 0
-    return logits + hidden + expanded_kv + scores + group + SLACK_BYTES
+    return logits + hidden + expanded_kv + scores + group + decode_graph_bytes(a, ctx_size, dense_bytes) + SLACK_BYTES
+
+
+def decode_graph_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
+    """The CUDA graphs' memory pools (dsv3lite/graphs.py), which stay allocated: one per decode step size in use
+    (a plain step and an MTP verification, bounded here by 1 and ABSORB_MAX_TOKENS tokens), each holding one layer's
+    attention work at its most KV splits (fp32 partial outputs, the absorbed queries) and every layer's outputs
+    (hidden states, norms, routing, shared-expert output)."""
+    splits = max(1, min(64, ctx_size // 128))            # kernels/mla_decode.py: the split count's bounds
+    total = 0
+    for tokens in (1, ABSORB_MAX_TOKENS):
+        rows = tokens * a.num_attention_heads
+        attention = rows * (splits * (a.kv_lora_rank + 1) * 4 + (a.qk_head_dim + 2 * a.latent_dim) * dense_bytes)
+        per_layer = tokens * (6 * a.hidden_size * dense_bytes + 3 * a.n_routed_experts * 4)
+        total += attention + a.num_hidden_layers * per_layer
+    return total
 
 
 def make_plan(a: ModelArgs, budget: int, ctx_size: int, slot_bytes: int, expert_format: str,
