@@ -217,3 +217,20 @@ def test_graph_steps_on_the_triton_decode_kernel(monkeypatch, v3_dir):
     got_tokens, got_logits = run()
     assert got_tokens == ref_tokens and not logs
     torch.testing.assert_close(got_logits, ref_logits, atol=2e-3, rtol=2e-3)
+
+
+def test_the_workspace_estimate_covers_what_the_graphs_hold(demo):
+    """What a step's graphs keep between steps (their static inputs and outputs; measured here, where the
+    stand-in keeps them as plain tensors) fits the planner's allowance for them, for each step size."""
+    from dsv3lite.offload.planner import decode_graph_bytes
+
+    demo.graphs = None
+    runner = DecodeGraphs(demo.model, capture=eager_capture)
+    cache = demo._ensure_cache()
+    main = demo._main_cache()
+    with torch.inference_mode():
+        for n in (1, 4):
+            runner.hidden(list(range(3, 3 + n)), 0, main)
+    held = {t.data_ptr(): t.numel() * t.element_size() for t in runner._keep
+            if isinstance(t, torch.Tensor) and t.data_ptr() != cache.data_ptr()}
+    assert 0 < sum(held.values()) <= decode_graph_bytes(demo.args, demo.ctx_size, cache.element_size())
