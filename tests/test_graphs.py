@@ -141,7 +141,7 @@ def test_a_wrong_replay_or_a_failed_capture_turns_graphs_off_with_one_line(demo,
 
 def test_graphs_step_aside_where_they_do_not_apply(demo, monkeypatch):
     runner = DecodeGraphs(demo.model, capture=eager_capture)
-    cache = demo._ensure_cache()
+    demo._ensure_cache()
     main = demo._main_cache()
     with torch.inference_mode():
         assert runner.hidden(list(range(5)), 0, main) is None                  # more tokens than a decode step
@@ -150,7 +150,6 @@ def test_graphs_step_aside_where_they_do_not_apply(demo, monkeypatch):
     assert not graphs.enabled()
     monkeypatch.setenv(graphs.ENV, "1")
     assert graphs.enabled()
-    assert cache is demo.cache
 
 
 def test_the_predictor_reuses_the_routing_a_graph_computed(v3_dir):
