@@ -315,7 +315,8 @@ class DecodeGraphs:
                     self._turn_off(str(e))
                     env = item.eager(env)
                 except Exception as e:                  # a capture the driver or a library refused
-                    self._turn_off(f"capture failed in {item.name}: {str(e).strip().splitlines()[0]}")
+                    first = (str(e).strip().splitlines() or ["no message"])[0]
+                    self._turn_off(f"capture failed in {item.name}: {first}")
                     env = item.eager(env)
             for hook in item.hooks:
                 hook.fn(env)

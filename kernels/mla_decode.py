@@ -211,11 +211,15 @@ def _block_sizes(kv_lora_rank: int, rope_dim: int) -> tuple[int, int, int, int]:
     return 16, block_n, block_dl, block_dpe
 
 
+def max_splits(context: int) -> int:
+    """The most KV splits a sequence of `context` rows gets (no split shorter than _MIN_SPLIT_TOKENS)."""
+    return max(1, min(context // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
+
+
 def _auto_num_splits(batch: int, row_blocks: int, context: int, device: torch.device) -> int:
-    """About two waves of programs over the GPU, but no split shorter than _MIN_SPLIT_TOKENS."""
+    """About two waves of programs over the GPU, within max_splits(context)."""
     wanted = -(-2 * dispatch.sm_count(device) // (batch * row_blocks))
-    longest = max(1, context // _MIN_SPLIT_TOKENS)
-    return max(1, min(wanted, longest, _MAX_SPLITS))
+    return max(1, min(wanted, max_splits(context)))
 
 
 def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tensor, softmax_scale: float,

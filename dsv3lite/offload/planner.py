@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ..config import ModelArgs
 from ..errors import UserError
 from ..footprint import footprint, indexer_fp32_params, unpacked_attention_params
+from ..kernels.mla_decode import max_splits
 from ..limits import ABSORB_MAX_TOKENS, LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from ..model import INDEX_SCORE_ELEMENTS
 from ..utils import format_bytes
@@ -123,7 +124,7 @@ def decode_graph_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
     (a plain step and an MTP verification, bounded here by 1 and ABSORB_MAX_TOKENS tokens), each holding one layer's
     attention work at its most KV splits (fp32 partial outputs, the absorbed queries) and every layer's outputs
     (hidden states, norms, routing, shared-expert output)."""
-    splits = max(1, min(64, ctx_size // 128))            # kernels/mla_decode.py: the split count's bounds
+    splits = max_splits(ctx_size)
     total = 0
     for tokens in (1, ABSORB_MAX_TOKENS):
         rows = tokens * a.num_attention_heads
