@@ -36,7 +36,9 @@ def engines(path: Path, device: str, ctx: int, log) -> dict:
     budget = offload_budget(path, slots, "bf16", ctx=ctx, mtp=False)
     if device == "cuda":
         budget += CUDA_RESERVE_BYTES
-    out[f"offloaded 25% ({slots} slots)"] = dsv3lite.load(path, gpu_mem=budget, **kw)
+    offloaded = dsv3lite.load(path, gpu_mem=budget, **kw)
+    n_slots = offloaded.offload.cache.n_slots if offloaded.offload is not None else total
+    out[f"offloaded ({n_slots} slots, {n_slots / total:.0%} of the experts)"] = offloaded
     for llm in out.values():
         llm.stop_ids = set()
         if device != "cuda":                    # the logic check: the stand-in capture
