@@ -233,3 +233,66 @@ def test_the_workspace_estimate_covers_what_the_graphs_hold(demo):
     held = {t.data_ptr(): t.numel() * t.element_size() for t in runner._keep
             if isinstance(t, torch.Tensor) and t.data_ptr() != cache.data_ptr()}
     assert 0 < sum(held.values()) <= decode_graph_bytes(demo.args, demo.ctx_size, cache.element_size())
+
+
+HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.equal", "aten.is_nonzero", "aten.nonzero",
+              "aten.argwhere", "aten.masked_select", "aten._unique", "aten.unique", "aten.bincount",
+              "aten.repeat_interleave.Tensor", "aten.lift_fresh")
+
+
+class HostReads:
+    """Records the operators that a CUDA graph cannot hold, run under it: reads of tensor data to the host
+    (.item(), .tolist(), bool(t)), data-dependent shapes, and tensors made from host values (a copy from
+    pageable memory inside a capture)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        found = self.found = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func)
+                if name.startswith(HOST_READS):
+                    found.append(name)
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode
+
+    def capture(self, fn):
+        with self.mode():
+            static = {k: v.clone() for k, v in fn().items()}
+
+        def replay():
+            with self.mode():
+                for k, v in fn().items():
+                    static[k].copy_(v)
+        return static, replay
+
+
+def test_captured_work_reads_nothing_back_to_the_host(monkeypatch, v3_dir):
+    """Every segment's ops, run under an operator probe on the kernel path (the Triton decode kernel in the
+    interpreter), for a resident engine with blob experts, an offloaded one and MTP verification steps."""
+    monkeypatch.setenv("DSV3LITE_KERNELS", "triton")
+    probe = HostReads()
+    with probe.mode():
+        torch.ones(3).sum().item()                              # the probe sees what it looks for
+    assert probe.found == ["aten._local_scalar_dense.default"]
+    probe.found.clear()
+    kw = dict(device="cpu", ctx_size=96, progress=False, log=lambda m: None)
+    budget = offload_budget(v3_dir, 10, "int4", ctx=96, mtp=False)
+    for extra in (dict(experts="int4", mtp=False), dict(experts="int4", mtp=False, gpu_mem=budget),
+                  dict(experts="int4", mtp=True, mtp_adaptive=False)):
+        llm = dsv3lite.load(v3_dir, **kw, **extra)
+        llm.stop_ids = set()
+        logs = with_graphs(llm, probe.capture)
+        greedy(llm, n=4, prompt="The quick brown fox jumps over")
+        assert not logs and llm.graphs.plans
+    # on a GPU, resident blob experts are the fused MoE kernel inside the graph (here the CPU kernel runs them)
+    from dsv3lite.kernels.fused_moe import fused_moe
+
+    experts = llm.model.moe_modules()[0].experts
+    x = torch.randn(2, experts.layout.hidden)
+    ids = torch.tensor([[0, 3], [3, 5]])
+    with probe.mode():
+        fused_moe(x, ids, torch.rand(2, 2), experts.slot_table, experts.blobs, experts.layout)
+    assert probe.found == []
