@@ -151,6 +151,24 @@ def _route_watch(block, i, routing):
     return fn
 
 
+class _Reads(dict):
+    """A step's env that records the keys read before being written: the inputs a segment's graph takes."""
+
+    def __init__(self, env: dict):
+        super().__init__(env)
+        self.read: list = []
+        self._written: set = set()
+
+    def __getitem__(self, key):
+        if key not in self._written and key not in self.read:
+            self.read.append(key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        self._written.add(key)
+        super().__setitem__(key, value)
+
+
 class GraphMismatch(Exception):
     """A replayed segment's outputs differ from its eager ops' (the graphs turn off)."""
 
@@ -163,10 +181,11 @@ class _Segment:
     def __init__(self, ops: list[_Op], hooks: list[_Op]):
         self.ops, self.hooks = ops, hooks
         self.replay = None
-        self.inputs: dict = {}          # key -> the static tensor the graph reads
+        self.inputs: dict = {}          # key -> the static tensor the graph reads (only the keys its ops read)
         self.copied: list = []          # keys whose value is copied into the static tensor before each replay
         self.outputs: dict = {}         # key -> the static tensor the graph writes
-        self.checks_left = 1            # eager-vs-replay comparisons still to run after the capture step
+        self.checks_left = 1            # eager-vs-replay comparisons still to run, at positions after the capture's
+        self.captured_at = -1           # the first position of the step it was captured in
 
     @property
     def name(self) -> str:
@@ -178,20 +197,27 @@ class _Segment:
             op.fn(out)
         return out
 
-    def _written(self, env: dict) -> dict:
-        """The ops over env -> only the entries they wrote (new keys, or new tensors under old keys)."""
-        out = self.eager(env)
+    def _written(self, env: dict, reads: list | None = None) -> dict:
+        """The ops over env -> only the entries they wrote (new keys, or new tensors under old keys); `reads` gets
+        the keys they read before writing them."""
+        out = dict(env) if reads is None else _Reads(env)
+        for op in self.ops:
+            op.fn(out)
+        if reads is not None:
+            reads.extend(out.read)
         return {k: v for k, v in out.items() if k not in env or v is not env[k]}
 
-    def run(self, env: dict, runner: "DecodeGraphs") -> dict:
+    def run(self, env: dict, runner: "DecodeGraphs", start: int) -> dict:
         if self.replay is None:
-            reference = runner.warm(self._written, env)
-            self._capture(env, runner)
+            reads: list = []
+            reference = runner.warm(lambda e: self._written(e, reads), env)
+            self._capture({k: env[k] for k in reads}, runner)
+            self.captured_at = start
         else:
             for key in self.copied:
                 self.inputs[key].copy_(env[key])
             reference = None
-            if self.checks_left:
+            if self.checks_left and start != self.captured_at:
                 self.checks_left -= 1
                 reference = self._written(env)
         self.replay()
@@ -199,10 +225,11 @@ class _Segment:
             self._compare(reference, runner)
         return {**env, **self.outputs}
 
-    def _capture(self, env: dict, runner: "DecodeGraphs") -> None:
-        """Static inputs: the tensors earlier graphs write, and the cache, read in place; copies of the others."""
+    def _capture(self, reads: dict, runner: "DecodeGraphs") -> None:
+        """Static inputs (what the ops read): the tensors earlier graphs write, and the cache, read in place;
+        copies of the others (the eager ops' outputs between segments), refreshed before each replay."""
         self.inputs, self.copied = {}, []
-        for key, value in env.items():
+        for key, value in reads.items():
             if isinstance(value, torch.Tensor) and not runner.is_static(value):
                 value = value.clone()
                 self.copied.append(key)
@@ -234,6 +261,7 @@ class _StepPlan:
 
     def __init__(self, model, runner: "DecodeGraphs", seqlen: int, cache: torch.Tensor, watchers, routing):
         self.seqlen, self.cache = seqlen, cache
+        self.held = (list(watchers), list(routing), [b.ffn.experts for b in model.layers if b.is_moe])  # ids in the key
         self.packed = torch.zeros(2 * seqlen + 1, dtype=torch.int64, device=cache.device)
         self.static = {"tokens": self.packed[:seqlen].view(1, seqlen), "positions": self.packed[seqlen:2 * seqlen],
                        "seqlen64": self.packed[2 * seqlen:], "cache": cache}
@@ -278,6 +306,7 @@ class DecodeGraphs:
         self._pools: dict = {}                       # step size -> the memory pool its graphs share
         self._pool_key = 1
         self._stream = None
+        self._device = None                         # the CUDA device of the cache the graphs serve
 
     # --- the step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -291,14 +320,14 @@ class DecodeGraphs:
             return None
         model = self.model
         watchers, routing = model.observers.attention, model.observers.routing
-        key = (seqlen, cache.data_ptr(), tuple(cache.shape), tuple(map(id, watchers)), tuple(map(id, routing)),
-               tuple(id(b.ffn.experts) for b in model.layers if b.is_moe))
-        plan = self.plans.get(key)
+        setting = (cache.data_ptr(), tuple(cache.shape), tuple(map(id, watchers)), tuple(map(id, routing)),
+                   tuple(id(b.ffn.experts) for b in model.layers if b.is_moe))
+        plan = self.plans.get((seqlen, setting))
         if plan is None:
-            if any(k[1] != cache.data_ptr() for k in self.plans):
-                self._reset()                           # a new cache: the old graphs write the old one
+            if any(k[1] != setting for k in self.plans):
+                self._reset()                  # a new cache, observers or experts: the old graphs serve no step
             model.rotary.tables(cache.shape[2], cache.device)        # every position's rows, before any capture
-            plan = self.plans[key] = _StepPlan(model, self, seqlen, cache, list(watchers), list(routing))
+            plan = self.plans[seqlen, setting] = _StepPlan(model, self, seqlen, cache, watchers, routing)
         plan.packed.copy_(torch.tensor(tokens + list(range(start, start + seqlen)) + [start + seqlen]))
         env = dict(plan.static)
         self._pool_key = seqlen
@@ -310,7 +339,7 @@ class DecodeGraphs:
                 env = item.eager(env)
             else:
                 try:
-                    env = item.run(env, self)
+                    env = item.run(env, self, start)
                 except GraphMismatch as e:
                     self._turn_off(str(e))
                     env = item.eager(env)
@@ -324,7 +353,7 @@ class DecodeGraphs:
 
     def _reset(self) -> None:
         if self._stream is not None:
-            torch.cuda.synchronize()                    # nothing replayed may still run when its graph goes
+            torch.cuda.synchronize(self._stream.device)  # nothing replayed may still run when its graph goes
         self.plans.clear()
         self._static.clear()
         self._keep.clear()
@@ -353,39 +382,46 @@ class DecodeGraphs:
     def warm(self, fn, env: dict) -> dict:
         """fn(env) eagerly; on CUDA on a side stream (the warm-up a capture wants: libraries set up their
         handles and workspaces outside it)."""
-        cache = env["cache"]
-        if cache.device.type != "cuda":
+        device = env["cache"].device
+        if device.type != "cuda":
             return fn(env)
-        stream = self._side_stream(cache.device)
-        stream.wait_stream(torch.cuda.current_stream(cache.device))
-        with torch.cuda.stream(stream):
-            out = fn(env)
-        torch.cuda.current_stream(cache.device).wait_stream(stream)
-        return out
+        self._device = device
+        stream, main = self._side_stream(device), torch.cuda.current_stream(device)
+        stream.wait_stream(main)
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")        # a host sync in these ops raises here, before any capture
+        try:
+            with torch.cuda.stream(stream):
+                return fn(env)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+            main.wait_stream(stream)
 
     def capture(self, fn):
         """fn() captured -> (its outputs, the replay); the segments of a step size share a memory pool."""
         if self._capture is not None:
             return self._capture(fn)
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = self._device
         pool = self._pools.get(self._pool_key)
         if pool is None:
             pool = self._pools[self._pool_key] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        stream = self._side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")   # the pinner may allocate meanwhile
-            try:
-                out = fn()
-            except BaseException:
+        stream, main = self._side_stream(device), torch.cuda.current_stream(device)
+        stream.wait_stream(main)
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # the pinner may allocate meanwhile
                 try:
-                    graph.capture_end()                 # ends the (invalidated) capture; its error is the first one
-                except Exception:
-                    pass
-                raise
-            graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(stream)
+                    out = fn()
+                except BaseException:
+                    try:
+                        graph.capture_end()             # ends the (invalidated) capture; its error is the first one
+                    except Exception:
+                        pass
+                    raise
+                graph.capture_end()
+        finally:
+            main.wait_stream(stream)
         self._keep.append(graph)
         return out, graph.replay
 

@@ -240,7 +240,10 @@ class MLA(nn.Module):
             kv = cache[:, :start + seqlen]
         else:
             kv = latent
-        out = attend(q_nope, q_pe, kv)                    # [B, S, H, dv]
+        if absorb:        # the kernel splits the context as for the whole cache: the bits of a graph's step
+            out = self._attend_absorbed(q_nope, q_pe, kv, capacity=None if cache is None else cache.shape[1])
+        else:
+            out = attend(q_nope, q_pe, kv)                # [B, S, H, dv]
         return self.wo(out.flatten(2))
 
     def decode_at(self, x: torch.Tensor, positions: torch.Tensor, seqlens: torch.Tensor, cos: torch.Tensor,
@@ -298,9 +301,9 @@ class MLA(nn.Module):
             return w[:, :a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:].transpose(1, 2)
         return inference_views(self, (weight,), views)
 
-    def _attend_absorbed(self, q_nope, q_pe, kv, selected=None, seqlens=None):
+    def _attend_absorbed(self, q_nope, q_pe, kv, selected=None, seqlens=None, capacity=None):
         """Attention over the latent cache itself: q_nope is folded into W_UK, V is the latent (decode).
-        seqlens: see mla_attend (kv is then the whole cache)."""
+        seqlens, capacity: see mla_attend (with seqlens, kv is the whole cache)."""
         a = self.args
         bsz, seqlen, _, _ = q_nope.shape
         h = self.n_heads
@@ -309,7 +312,7 @@ class MLA(nn.Module):
         q_abs = torch.bmm(q_nope.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uk)           # [H, BS, c]
         q_abs = q_abs.transpose(0, 1).reshape(bsz, seqlen, h, a.kv_lora_rank)
         q = torch.cat([q_abs, q_pe], dim=-1)                             # [B, S, H, kv_lora + dr]
-        out_latent = mla_attend(q, kv, a.softmax_scale, a.kv_lora_rank, selected, seqlens)
+        out_latent = mla_attend(q, kv, a.softmax_scale, a.kv_lora_rank, selected, seqlens, capacity)
         # out[b, s, h] = out_latent[b, s, h] @ W_UV[h]^T
         out = torch.bmm(out_latent.reshape(bsz * seqlen, h, -1).transpose(0, 1), w_uv_t)  # [H, BS, dv]
         return out.transpose(0, 1).reshape(bsz, seqlen, h, a.v_head_dim)

@@ -224,7 +224,7 @@ def _auto_num_splits(batch: int, row_blocks: int, context: int, device: torch.de
 
 def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tensor, softmax_scale: float,
                kv_lora_rank: int, num_splits: int | None = None,
-               indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               indices: torch.Tensor | None = None, context: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA decode with the split-KV Triton kernel.
 
     q: [B, Sq, H, kv_lora_rank + rope_dim], 1 <= Sq <= 4, contiguous (absorbed q_nope ‖ RoPE'd q_pe).
@@ -238,6 +238,8 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tenso
         context and SM count.
     indices: None (dense), or int32 [B, Sq, K] (sparse decode): the rows query s attends to, without repeats;
         entries that are -1, or past the query's own position, are skipped.
+    context: the rows the automatic split count is chosen for (default: latent_cache's), e.g. the cache's capacity
+        when latent_cache is a slice of it: the same count, so the same bits, as a call over the whole cache.
     Returns out [B, Sq, H, kv_lora_rank] in q.dtype and lse [B, Sq, H] float32 (natural log).
     """
     assert triton is not None, "mla_decode needs Triton; use mla_decode_ref (or mla_decode_auto)"
@@ -260,8 +262,8 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tenso
     # sparse: one query per program, so each query's heads get their own row blocks
     split_blocks = sq * triton.cdiv(heads, block_h) if sparse else row_blocks
     if num_splits is None:
-        num_splits = _auto_num_splits(batch, split_blocks, index_count if sparse else latent_cache.shape[1],
-                                      q.device)
+        num_splits = _auto_num_splits(batch, split_blocks,
+                                      index_count if sparse else context or latent_cache.shape[1], q.device)
     assert isinstance(num_splits, int) and 1 <= num_splits <= _MAX_SPLITS, (
         f"num_splits must be an int in 1..{_MAX_SPLITS}, got {num_splits!r}")
     upcast = dispatch.interpreted()
@@ -343,10 +345,11 @@ def mla_decode_ref(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.T
 
 def mla_decode_auto(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tensor, softmax_scale: float,
                     kv_lora_rank: int, num_splits: int | None = None,
-                    indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`mla_decode` where kernels run (see dispatch.use_kernels), else `mla_decode_ref` (num_splits unused)."""
+                    indices: torch.Tensor | None = None, context: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_decode` where kernels run (see dispatch.use_kernels), else `mla_decode_ref` (num_splits and context
+    unused)."""
     if dispatch.use_kernels(q.device):
-        return mla_decode(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, num_splits, indices)
+        return mla_decode(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, num_splits, indices, context)
     return mla_decode_ref(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, indices)
 
 
@@ -383,17 +386,21 @@ def _sparse_latent_attention(q, keys, softmax_scale, kv_lora_rank, indices):
 
 
 def mla_attend(q: torch.Tensor, latent_cache: torch.Tensor, softmax_scale: float, kv_lora_rank: int,
-               indices: torch.Tensor | None = None, seqlens: torch.Tensor | None = None) -> torch.Tensor:
+               indices: torch.Tensor | None = None, seqlens: torch.Tensor | None = None,
+               capacity: int | None = None) -> torch.Tensor:
     """The model's absorbed attention: q [B, Sq, H, Dk] over every row of latent_cache [B, T, Dk] (the last Sq
     rows are the queries' own), or with indices [B, Sq, K] int32 only over the rows each query's list names
     -> out [B, Sq, H, kv_lora_rank]. The kernel where kernels run; one sequence on the CPU takes
     `latent_attention`; otherwise the twin (e.g. DSV3LITE_KERNELS=ref on a GPU). seqlens (int32 [B], on the
     device): the valid rows of each sequence, when latent_cache is the whole cache (a CUDA graph's decode step,
-    dsv3lite/graphs.py: the length is read on the device, and the split count follows from the capacity T)."""
+    dsv3lite/graphs.py: the length is read on the device, and the split count follows from the capacity T).
+    capacity: the rows of the whole cache when latent_cache is its first rows: the kernel splits the context as it
+    does for a graph's call, so a decode step gets the same bits with graphs and without."""
     if seqlens is not None:
         return mla_decode_auto(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, indices=indices)[0]
     if q.shape[0] == 1 and q.device.type == "cpu" and not dispatch.use_kernels(q.device):
         return latent_attention(q[0], latent_cache[0], softmax_scale, kv_lora_rank,
                                 None if indices is None else indices[0])[None]
     seqlens = torch.full((q.shape[0],), latent_cache.shape[1], dtype=torch.int32, device=latent_cache.device)
-    return mla_decode_auto(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, indices=indices)[0]
+    return mla_decode_auto(q, latent_cache, seqlens, softmax_scale, kv_lora_rank, indices=indices,
+                           context=capacity)[0]

@@ -121,15 +121,16 @@ def workspace_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
 
 def decode_graph_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
     """The CUDA graphs' memory pools (dsv3lite/graphs.py), which stay allocated: one per decode step size in use
-    (a plain step and an MTP verification, bounded here by 1 and ABSORB_MAX_TOKENS tokens), each holding one layer's
-    attention work at its most KV splits (fp32 partial outputs, the absorbed queries) and every layer's outputs
-    (hidden states, norms, routing, shared-expert output)."""
+    (a plain step, an MTP verification, a short prompt or one near the end of the context: every size up to
+    ABSORB_MAX_TOKENS), each holding one layer's attention work at its most KV splits (fp32 partial outputs, the
+    absorbed queries) and every layer's outputs (hidden states, norms, routing, shared-expert output) and copied
+    inputs (routed-expert output)."""
     splits = max_splits(ctx_size)
     total = 0
-    for tokens in (1, ABSORB_MAX_TOKENS):
+    for tokens in range(1, ABSORB_MAX_TOKENS + 1):
         rows = tokens * a.num_attention_heads
         attention = rows * (splits * (a.kv_lora_rank + 1) * 4 + (a.qk_head_dim + 2 * a.latent_dim) * dense_bytes)
-        per_layer = tokens * (6 * a.hidden_size * dense_bytes + 3 * a.n_routed_experts * 4)
+        per_layer = tokens * (7 * a.hidden_size * dense_bytes + 3 * a.n_routed_experts * 4)
         total += attention + a.num_hidden_layers * per_layer
     return total
 
