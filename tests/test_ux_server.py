@@ -103,9 +103,14 @@ def test_idle_serve_with_the_ui_uses_no_cpu(v3_dir, tmp_path):
         time.sleep(1.0)                                 # start-up work (threads, imports) settles
         p = psutil.Process(proc.pid)
         window = 3.0
-        before = sum(p.cpu_times()[:2])
-        time.sleep(window)
-        used = sum(p.cpu_times()[:2]) - before
+
+        def cpu_in_window() -> float:
+            before = sum(p.cpu_times()[:2])
+            time.sleep(window)
+            return sum(p.cpu_times()[:2]) - before
+        # the quieter of two windows: start-up work that runs late on a loaded machine lands in the first only,
+        # a serve that polls or spins shows in both
+        used = min(cpu_in_window(), cpu_in_window())
         assert used < 0.02 * window, f"an idle serve used {used / window:.1%} of a core"
     finally:
         proc.terminate()
