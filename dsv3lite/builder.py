@@ -107,8 +107,8 @@ def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.d
 
 def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | None = None, mtp: bool = True,
                  experts=None, cpu_mem=None, progress: bool = True, log=None, dense=None, **options):
-    """See dsv3lite.load. options: the OffloadOptions fields (lookahead, miss_policy, cache_policy) and the MTP
-    settings num_draft_tokens, mtp_adaptive. dense: the non-expert weights packed to this dtype while loading
+    """See dsv3lite.load. options: the OffloadOptions fields (lookahead, miss_policy, cache_policy), the MTP
+    settings num_draft_tokens, mtp_adaptive, and cuda_graphs (False: decode steps eagerly on a GPU). dense: the non-expert weights packed to this dtype while loading
     (dense.py; on CUDA an FP8 checkpoint that needs it gets fp8, `choose_dense`)."""
     from .dense import PackedLinear, check_dense
     from .generate import Engine
@@ -118,7 +118,7 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     offload_options = OffloadOptions.take({**options, "cpu_mem": cpu_mem})
-    engine_options = {k: options[k] for k in ("num_draft_tokens", "mtp_adaptive") if k in options}
+    engine_options = {k: options[k] for k in ("num_draft_tokens", "mtp_adaptive", "cuda_graphs") if k in options}
     unknown = set(options) - set(engine_options) - {f for f in OffloadOptions.__dataclass_fields__}
     if unknown:
         raise UserError(f"unknown option {sorted(unknown)[0]!r} for dsv3lite.load")

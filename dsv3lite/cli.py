@@ -118,6 +118,8 @@ def engine_options(temp: float = 0.0, top_p: float = 1.0):
                           "needs it."),
         click.option("--num-draft-tokens", type=click.IntRange(1, 3), default=1, show_default=True,
                      help="MTP draft tokens per step."),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+                     help="On a GPU, replay decode steps from CUDA graphs (--no-cuda-graphs: launch them eagerly)."),
         click.option("--lookahead", type=click.IntRange(0, 8), default=OFFLOAD_DEFAULTS.lookahead, show_default=True,
                      help="Offloading: MoE layers ahead whose experts are predicted and prefetched."),
         click.option("--miss-policy", type=click.Choice(MISS_POLICIES), default=OFFLOAD_DEFAULTS.miss_policy,
@@ -142,7 +144,8 @@ def _engine(o: dict):
 
     return dsv3lite.load(weights=o["weights"], device=o["device"], gpu_mem=o["gpu_mem"], dtype=o["dtype"],
                          ctx_size=o["ctx_size"], mtp=o["mtp"], experts=o["experts"], cpu_mem=o["cpu_mem"],
-                         dense=o["dense"], log=log, num_draft_tokens=o["num_draft_tokens"], lookahead=o["lookahead"],
+                         dense=o["dense"], log=log, num_draft_tokens=o["num_draft_tokens"],
+                         cuda_graphs=o["cuda_graphs"], lookahead=o["lookahead"],
                          miss_policy=o["miss_policy"], cache_policy=o["cache_policy"], cpu_threads=o["cpu_threads"])
 
 

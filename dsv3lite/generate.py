@@ -139,7 +139,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, ctx_size: int = 4096,
                  mtp: bool = True, weights: str | None = None, log=None, num_draft_tokens: int = 1,
-                 mtp_adaptive: bool = True, offload=None):
+                 mtp_adaptive: bool = True, offload=None, cuda_graphs: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
@@ -158,9 +158,10 @@ class Engine:
         self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
         self._kernel_step = device.type == "cpu" and cpu_decode.covers(model)
         self._eager_threads = decode_threads(self.args, device)      # the size rule, once
-        # on a GPU, decode steps replayed from CUDA graphs (graphs.py; DSV3LITE_GRAPHS=0: the eager step)
-        self.graphs = graphs.DecodeGraphs(model, log=self.log) if device.type == "cuda" and graphs.enabled() \
-            and dispatch.use_kernels(device) and graphs.supported(model) else None
+        # on a GPU, decode steps replayed from CUDA graphs (graphs.py; --no-cuda-graphs or DSV3LITE_GRAPHS=0: the
+        # eager step)
+        self.graphs = graphs.DecodeGraphs(model, log=self.log) if cuda_graphs and device.type == "cuda" \
+            and graphs.enabled() and dispatch.use_kernels(device) and graphs.supported(model) else None
 
     @property
     def decode_threads(self) -> int | None:

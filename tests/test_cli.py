@@ -128,3 +128,20 @@ def test_console_script_runs_and_fails_cleanly(v3_dir):
     r = subprocess.run([exe, "generate", "-w", "/no/such/dir", "-p", "x"], capture_output=True, text=True)
     assert r.returncode != 0
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error:")
+
+
+def test_cuda_graphs_switch_reaches_the_engine(capsys, v3_dir, monkeypatch):
+    """--no-cuda-graphs reaches Engine (on this CPU there are no graphs either way; `cuda_graphs` is what it gets)."""
+    from dsv3lite import generate
+
+    seen = []
+    init = generate.Engine.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("cuda_graphs", True))
+        init(self, *a, **kw)
+    monkeypatch.setattr(generate.Engine, "__init__", spy)
+    for flag, expected in (("--no-cuda-graphs", False), ("--cuda-graphs", True)):
+        rc, out, err = cli(capsys, "generate", "-w", str(v3_dir), "-p", "hi", "-m", "2", flag)
+        assert rc == 0, err
+        assert seen.pop() is expected
