@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -24,33 +25,71 @@ import torch
 PROMPT = list(range(5, 21))
 
 
-def engines(path: Path, device: str, ctx: int, log) -> dict:
+def engine_builders(path: Path, device: str, ctx: int, log) -> list:
+    """(name, build) for the resident and the offloaded engine; built one at a time, so one that fails to load
+    still leaves the other measured."""
     import dsv3lite
     from dsv3lite.offload.setup import CUDA_RESERVE_BYTES
     from dsv3lite.testing import offload_budget
 
     kw = dict(device=device, ctx_size=ctx, experts="bf16", progress=False, log=log, mtp=False)
-    out = {"resident": dsv3lite.load(path, **kw)}
     total = 58 * 256
-    slots = total // 4
-    budget = offload_budget(path, slots, "bf16", ctx=ctx, mtp=False)
+    budget = offload_budget(path, total // 4, "bf16", ctx=ctx, mtp=False)
     if device == "cuda":
         budget += CUDA_RESERVE_BYTES
-    offloaded = dsv3lite.load(path, gpu_mem=budget, **kw)
-    n_slots = offloaded.offload.cache.n_slots if offloaded.offload is not None else total
-    out[f"offloaded ({n_slots} slots, {n_slots / total:.0%} of the experts)"] = offloaded
-    for llm in out.values():
+
+    def prepared(llm):
         llm.stop_ids = set()
         if device != "cuda":                    # the logic check: the stand-in capture
             from dsv3lite.graphs import DecodeGraphs, eager_capture
             llm.graphs = DecodeGraphs(llm.model, log=log, capture=eager_capture)
-    return out
+        return llm
+    return [("resident", lambda: prepared(dsv3lite.load(path, **kw))),
+            ("offloaded, 25% of the experts in slots", lambda: prepared(dsv3lite.load(path, gpu_mem=budget, **kw)))]
 
 
 def decode(llm, n: int) -> tuple[list[int], float]:
     llm.reset()
     tokens = [c.token_id for c in llm.generate(PROMPT, max_tokens=n)]
     return tokens, llm.stats()["decode_tok_s"]
+
+
+def measure(llm, tokens: int, rounds: int) -> dict:
+    runner = llm.graphs
+    if runner is None:
+        return {"off": "graphs not built (--no-cuda-graphs, DSV3LITE_GRAPHS=0, or no Triton)"}
+    decode(llm, 4)                              # warm-up: compiles, captures, the second-step check
+    speeds = {"eager": [], "graphs": []}
+    out = {}
+    for _ in range(rounds):
+        for mode in ("eager", "graphs"):
+            llm.graphs = runner if mode == "graphs" else None
+            out[mode], tok_s = decode(llm, tokens)
+            speeds[mode].append(tok_s)
+    llm.graphs = runner
+    stats = runner.stats()
+    slots = llm.offload.cache.n_slots if llm.offload is not None else None
+    return {"eager": statistics.median(speeds["eager"]), "graphs": statistics.median(speeds["graphs"]),
+            "equal": out["eager"] == out["graphs"], "per_step": stats["graphs_per_step"], "off": stats["off"] or "",
+            "slots": slots}
+
+
+def table(rows: list, a) -> str:
+    lines = [f"# Decode step: CUDA graphs vs eager ({a.device}, V3 routing geometry, tiny widths, bf16 experts, "
+             f"{a.tokens} tokens x {a.rounds} alternating rounds, medians)", "",
+             "| engine | eager tok/s | graphs tok/s | speedup | host ms / token (eager -> graphs) | ms / layer "
+             "(graphs) | graphs per step | tokens equal | graphs off because |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows:
+        if "eager" not in r:
+            lines.append(f"| {name} |  |  |  |  |  |  |  | {r['off']} |")
+            continue
+        if r["slots"] is not None:
+            name = f"{name} ({r['slots']} slots)"
+        e, g = r["eager"], r["graphs"]
+        lines.append(f"| {name} | {e:.1f} | {g:.1f} | {g / e:.2f}x | {1e3 / e:.2f} -> {1e3 / g:.2f} | "
+                     f"{1e3 / g / 61:.3f} | {r['per_step']} | {r['equal']} | {r['off']} |")
+    return "\n".join(lines) + "\n"
 
 
 def main():
@@ -66,45 +105,27 @@ def main():
 
     a.out.mkdir(parents=True, exist_ok=True)
     logs: list[str] = []
+    rows: list = []
+    failed = False
     with tempfile.TemporaryDirectory() as tmp:
         path = write_geometry_checkpoint(Path(tmp) / "geometry")
-        engs = engines(path, a.device, 256, logs.append)
-        rows = []
-        for name, llm in engs.items():
-            runner = llm.graphs
-            if runner is None:
-                rows.append((name, None, None, "graphs not built (DSV3LITE_GRAPHS=0, or no Triton)", None))
-                continue
-            decode(llm, 4)                      # warm-up: compiles, captures, the second-step check
-            speeds = {"eager": [], "graphs": []}
-            tokens = {}
-            for _ in range(a.rounds):
-                for mode in ("eager", "graphs"):
-                    llm.graphs = runner if mode == "graphs" else None
-                    tokens[mode], tok_s = decode(llm, a.tokens)
-                    speeds[mode].append(tok_s)
-            llm.graphs = runner
-            eager, graphed = (statistics.median(speeds[m]) for m in ("eager", "graphs"))
-            stats = runner.stats()
-            rows.append((name, eager, graphed, stats["off"] or "", tokens["eager"] == tokens["graphs"],
-                         stats["graphs_per_step"]))
-            print(f"{name}: eager {eager:.1f} tok/s, graphs {graphed:.1f} tok/s, {stats}", flush=True)
-    lines = [f"# Decode step: CUDA graphs vs eager ({a.device}, V3 routing geometry, tiny widths, bf16 experts, "
-             f"{a.tokens} tokens x {a.rounds} alternating rounds, medians)", "",
-             "| engine | eager tok/s | graphs tok/s | speedup | host ms / token (eager -> graphs) | ms / layer "
-             "(graphs) | graphs per step | tokens equal | graphs off because |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, eager, graphed, off, equal, *per_step in rows:
-        if eager is None:
-            lines.append(f"| {name} |  |  |  |  |  |  |  | {off} |")
-            continue
-        lines.append(f"| {name} | {eager:.1f} | {graphed:.1f} | {graphed / eager:.2f}x | {1e3 / eager:.2f} -> "
-                     f"{1e3 / graphed:.2f} | {1e3 / graphed / 61:.3f} | {per_step[0]} | {equal} | {off} |")
-    about = [m for m in logs if "graph" in m.lower()]
-    if about:
-        lines += ["", "Engine log lines about graphs:", ""] + [f"- {m}" for m in about]
-    (a.out / "graphs.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        for name, build in engine_builders(path, a.device, 256, logs.append):
+            try:
+                llm = build()
+                rows.append((name, measure(llm, a.tokens, a.rounds)))
+                del llm
+            except Exception:                   # recorded, and the other engine still measured
+                failed = True
+                last = traceback.format_exc().strip().splitlines()[-1]
+                rows.append((name, {"off": f"error: {last}"}))
+                traceback.print_exc()
+            text = table(rows, a)
+            about = [m for m in logs if "graph" in m.lower()]
+            if about:
+                text += "\nEngine log lines about graphs:\n\n" + "".join(f"- {m}\n" for m in about)
+            (a.out / "graphs.md").write_text(text)
+            print(text, flush=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
