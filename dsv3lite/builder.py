@@ -24,21 +24,35 @@ def resolve_weights(weights) -> Path:
     return checkpoint_dir(weights, "weights directory")
 
 
+def kernel_blobs_at_load(args: ModelArgs, experts: str | None, device: torch.device) -> str | None:
+    """Where an HF checkpoint's resident experts (no --experts) are packed at load as blobs in their own precision
+    (bf16, or fp8 for an FP8 checkpoint) for a kernel, the kernel's name; None keeps them dense. On CPU, a model
+    past the tiny-model size (generate.decode_threads' rule), for the CPU expert kernel, where it runs; on a GPU
+    with the Triton kernels, for the fused MoE kernel: a decode step then reads no routing back to the host (one
+    CUDA graph a step, graphs.py), and the experts take the bytes the --gpu-mem plan counted for them (an FP8
+    checkpoint's dense experts would be bf16, twice its fp8 blobs)."""
+    from .footprint import footprint
+    from .generate import SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
+    from .kernels import cpu_build, dispatch
+
+    if experts is not None:
+        return None
+    if device.type == "cuda":
+        return "the fused MoE kernel" if dispatch.use_kernels(device) else None
+    large = footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
+    return "the CPU expert kernel" if device.type == "cpu" and large and cpu_build.library() is not None else None
+
+
 def resident_experts(root: Path, args: ModelArgs, experts: str | None, device: torch.device, log,
                      cpu_mem: int | None = None):
     """The Loader's expert provider when nothing is offloaded: packed blobs on `device` (a quantized dir's mapped
-    blobs, or an HF dir's experts quantized at load), or None to keep an HF dir's dense experts. On CPU, a model
-    past the tiny-model size (generate.decode_threads' rule) gets blobs in the checkpoint's own precision (bf16,
-    or fp8 for an FP8 checkpoint) for the CPU expert kernel, where it runs, instead of dense fp32 experts.
+    blobs, an HF dir's experts quantized at load, or packed in their own precision for a kernel:
+    kernel_blobs_at_load), or None to keep an HF dir's dense experts.
     cpu_mem (--cpu-mem, bytes, CPU): bounds the mapped blobs' resident pages; blobs packed in memory must fit it."""
     from .experts import BlobExperts, expert_source
-    from .footprint import footprint
-    from .generate import SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
-    from .kernels import cpu_build
 
-    large = footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
-    kernel = device.type == "cpu" and experts is None and large and cpu_build.library() is not None
-    source = expert_source(root, args, experts, blobs_required=kernel)
+    kernel = kernel_blobs_at_load(args, experts, device)
+    source = expert_source(root, args, experts, blobs_required=kernel is not None)
     if source is None:
         if cpu_mem is not None:
             log("note: --cpu-mem bounds packed expert blobs; this run keeps the checkpoint's dense experts")
@@ -47,7 +61,7 @@ def resident_experts(root: Path, args: ModelArgs, experts: str | None, device: t
         source = source.cached(log)               # --experts on an HF checkpoint: its expert cache on disk
     cap = resident_cap(source, args, device, cpu_mem, log)
     if kernel and not source.mapped:
-        log(f"routed experts as {source.fmt.name} blobs for the CPU expert kernel (--experts int4 | fp8 to quantize)")
+        log(f"routed experts as {source.fmt.name} blobs for {kernel} (--experts int4 | fp8 to quantize)")
     elif not source.mapped:
         log(f"quantizing routed experts to {source.fmt.name} at load")
     return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout, cap)

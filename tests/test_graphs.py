@@ -304,3 +304,18 @@ def test_captured_work_reads_nothing_back_to_the_host(monkeypatch, v3_dir):
     with probe.mode():
         fused_moe(x, ids, torch.rand(2, 2), experts.slot_table, experts.blobs, experts.layout)
     assert probe.found == []
+
+
+def test_resident_experts_on_a_gpu_are_blobs_for_the_fused_kernel(v3_dir, monkeypatch):
+    """With no --experts, a GPU run packs an HF checkpoint's resident experts as blobs in their own precision (the
+    fused kernel: no routing read back, one graph a step); the CPU does so past the tiny-model size only."""
+    from dsv3lite.builder import kernel_blobs_at_load
+    from dsv3lite.config import ModelArgs
+
+    args = ModelArgs.from_dir(v3_dir)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert kernel_blobs_at_load(args, None, cuda) == "the fused MoE kernel"
+    assert kernel_blobs_at_load(args, "int4", cuda) is None               # --experts: quantized as asked
+    assert kernel_blobs_at_load(args, None, cpu) is None                  # a tiny model keeps dense experts
+    monkeypatch.setenv("DSV3LITE_KERNELS", "ref")                         # the twins on a GPU: dense experts
+    assert kernel_blobs_at_load(args, None, cuda) is None
