@@ -192,10 +192,10 @@ class _Segment:
         return self.ops[0].name if len(self.ops) == 1 else f"{self.ops[0].name} .. {self.ops[-1].name}"
 
     def eager(self, env: dict) -> dict:
-        out = dict(env)
+        """The ops run as they are, over env in place (graphs off, or a replay refused)."""
         for op in self.ops:
-            op.fn(out)
-        return out
+            op.fn(env)
+        return env
 
     def _written(self, env: dict, reads: list | None = None) -> dict:
         """The ops over env -> only the entries they wrote (new keys, or new tensors under old keys); `reads` gets
@@ -223,7 +223,8 @@ class _Segment:
         self.replay()
         if reference is not None:
             self._compare(reference, runner)
-        return {**env, **self.outputs}
+        env.update(self.outputs)            # the step's own dict: no copy of its growing per-layer entries
+        return env
 
     def _capture(self, reads: dict, runner: "DecodeGraphs") -> None:
         """Static inputs (what the ops read): the tensors earlier graphs write, and the cache, read in place;
@@ -413,11 +414,11 @@ class DecodeGraphs:
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # the pinner may allocate meanwhile
                 try:
                     out = fn()
-                except BaseException:
+                except BaseException as error:
                     try:
-                        graph.capture_end()             # ends the (invalidated) capture; its error is the first one
-                    except Exception:
-                        pass
+                        graph.capture_end()             # the stream leaves capture mode; the first error is raised
+                    except Exception as end_error:
+                        error.add_note(f"ending the capture failed too: {end_error}")
                     raise
                 graph.capture_end()
         finally:
@@ -431,7 +432,7 @@ class DecodeGraphs:
         return self._stream
 
     def stats(self) -> dict:
-        """{"graphs": per step size, segments captured / replayed per step; "off": why they turned off}."""
+        """{"graphs_per_step": {step size: graphs replayed per step}, "off": why graphs turned off, or None}."""
         sizes = {plan.seqlen: plan.n_graphs for plan in self.plans.values()}
         return {"graphs_per_step": sizes, "off": self.off_reason}
 

@@ -207,8 +207,7 @@ def test_graph_steps_on_the_triton_decode_kernel(monkeypatch, v3_dir):
     the same tokens and the same logits, bit for bit."""
     from dsv3lite.kernels import dispatch
 
-    if not dispatch.interpreted():
-        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py)")
+    assert dispatch.interpreted(), "tests/conftest.py runs Triton in its interpreter (TRITON_INTERPRET=1)"
     monkeypatch.setenv("DSV3LITE_KERNELS", "triton")
     llm = dsv3lite.load(v3_dir, device="cpu", ctx_size=512, progress=False, log=lambda m: None, mtp=False,
                         experts="int4")
