@@ -122,8 +122,9 @@ def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.d
 def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | None = None, mtp: bool = True,
                  experts=None, cpu_mem=None, progress: bool = True, log=None, dense=None, **options):
     """See dsv3lite.load. options: the OffloadOptions fields (lookahead, miss_policy, cache_policy), the MTP
-    settings num_draft_tokens, mtp_adaptive, and cuda_graphs (False: decode steps eagerly on a GPU). dense: the non-expert weights packed to this dtype while loading
-    (dense.py; on CUDA an FP8 checkpoint that needs it gets fp8, `choose_dense`)."""
+    settings num_draft_tokens, mtp_adaptive, and cuda_graphs (False: decode steps eagerly on a GPU). dense: the
+    non-expert weights packed to this dtype while loading (dense.py; on CUDA an FP8 checkpoint that needs it gets
+    fp8, `choose_dense`)."""
     from .dense import PackedLinear, check_dense
     from .generate import Engine
     from .loader import Loader

@@ -318,3 +318,27 @@ def test_resident_experts_on_a_gpu_are_blobs_for_the_fused_kernel(v3_dir, monkey
     assert kernel_blobs_at_load(args, None, cpu) is None                  # a tiny model keeps dense experts
     monkeypatch.setenv("DSV3LITE_KERNELS", "ref")                         # the twins on a GPU: dense experts
     assert kernel_blobs_at_load(args, None, cuda) is None
+
+
+@pytest.mark.parametrize("kernels", ["ref", "triton"])
+def test_the_graphs_attention_at_deepseek_v3_widths(monkeypatch, kernels):
+    """MLA.decode_at (what a graph captures: the position and length on the device, the whole cache read) against
+    the eager absorbed attention on one block at V3's widths (hidden 7168, 128 heads, lora 1536 / 512), at position
+    100 of a 128-row cache: the twin on the CPU, and the Triton decode kernel in the interpreter."""
+    from dsv3lite.model import Rotary
+    from dsv3lite.testing_realwidth import realwidth_moe_block
+
+    monkeypatch.setenv("DSV3LITE_KERNELS", kernels)
+    block, args = realwidth_moe_block()
+    cos_t, sin_t = Rotary(args).tables(128, torch.device("cpu"))
+    cache = torch.randn(1, 128, args.cache_dim) * 0.5
+    x = block.attn_norm(torch.randn(1, 1, args.hidden_size))
+    with torch.inference_mode():
+        eager_cache = cache.clone()
+        want = block.attn(x, 100, cos_t[100:101, None], sin_t[100:101, None], eager_cache, absorb=True)
+        positions = torch.tensor([100])
+        got = block.attn.decode_at(x, positions, torch.tensor([101], dtype=torch.int32),
+                                   cos_t.index_select(0, positions)[:, None], sin_t.index_select(0, positions)[:, None],
+                                   cache)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cache, eager_cache)                    # the same row written, nothing else touched
