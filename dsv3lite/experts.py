@@ -21,7 +21,7 @@ from .errors import UserError
 from .kernels import cpu_experts, dispatch
 from .kernels.fused_moe import fused_moe
 from .limits import FUSED_MAX_TOKENS
-from .model import combine_experts
+from .moe import combine_experts
 from .quant.layout import BlobLayout, ExpertFormat
 
 

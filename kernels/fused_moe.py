@@ -275,7 +275,7 @@ def fused_moe_ref(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tens
     Each expert's weighted output is rounded to x.dtype and added in ascending expert id (`combine_experts`).
     Reads slot_of_expert and the routing on the host (a device sync on CUDA).
     """
-    from ..model import combine_experts           # here, not at the top: model.py may import this module
+    from ..moe import combine_experts           # here, not at the top: keeps the kernels importable alone
     from ..quant.formats import format_for_layout
 
     _check_inputs(x, expert_ids, weights, slot_of_expert, pool, layout, external_out)
