@@ -31,34 +31,17 @@ import torch
 from torch import nn
 
 from . import cpu_build, cpu_experts
-from .cpu_experts import F32
+from .cpu_abi import F32, AttnDesc, FfnDesc, Lin
+from .cpu_linear import GROUP
 from ..cache import LatentCache
 from ..moe import RoutedExperts
-from .cpu_linear import FMT_CODES, GROUP
+from ..quant.table import cpu_code
 from ..limits import ABSORB_MAX_TOKENS
 
 TOPK_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 MAX_ROPE = 256                            # the kernels' bounds (cpu_kernels.cpp): RoPE width, router groups
 MAX_ROUTER_GROUPS = 1024
-_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-
-
-class _Lin(ctypes.Structure):
-    _fields_ = [("fmt", _i64), ("n", _i64), ("k", _i64), ("group", _i64), ("w", _ptr), ("s", _ptr), ("z", _ptr)]
-
-
-class _Attn(ctypes.Structure):
-    _fields_ = [("wq_a", _Lin), ("wq_b", _Lin), ("wkv_a", _Lin), ("wo", _Lin), ("attn_norm", _ptr), ("q_norm", _ptr),
-                ("kv_norm", _ptr), ("wkv_b", _ptr)] + \
-        [(f, _i64) for f in ("dim", "heads", "q_lora", "dn", "dr", "dv", "kv_lora", "cache_dim", "interleave")] + \
-        [(f, _f32) for f in ("eps", "latent_eps", "softmax_scale", "unused")]
-
-
-class _Ffn(ctypes.Structure):
-    _fields_ = [("w1", _Lin), ("w3", _Lin), ("w2", _Lin), ("norm", _ptr), ("gate_w", _ptr), ("gate_bias", _ptr),
-                ("expert_ptrs", _ptr), ("expert_desc", _ptr)] + \
-        [(f, _i64) for f in ("dim", "n_experts", "topk", "n_group", "topk_group", "softmax", "method", "norm_topk")] + \
-        [(f, _f32) for f in ("eps", "scaling")]
+_ptr = ctypes.c_void_p
 
 
 def enabled() -> bool:
@@ -92,7 +75,7 @@ def _plain(t: torch.Tensor | None) -> bool:
     return t is not None and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
 
-def _lin(mod: nn.Module, keep: list[torch.Tensor]) -> _Lin | None:
+def _lin(mod: nn.Module, keep: list[torch.Tensor]) -> Lin | None:
     """The kernel's view of one bias-free linear: a plain fp32 nn.Linear, or a module that describes its packed
     weight (dense.PackedLinear.cpu_matrix, --dense)."""
     describe = getattr(mod, "cpu_matrix", None)
@@ -102,10 +85,10 @@ def _lin(mod: nn.Module, keep: list[torch.Tensor]) -> _Lin | None:
             return None
         fmt, n, k, tensors = found
         keep += [t for t in tensors if t is not None]
-        return _Lin(FMT_CODES[fmt], n, k, GROUP, *(None if t is None else t.data_ptr() for t in tensors))
+        return Lin(cpu_code(fmt), n, k, GROUP, *(None if t is None else t.data_ptr() for t in tensors))
     if isinstance(mod, nn.Linear) and mod.bias is None and _plain(mod.weight):
         keep.append(mod.weight)
-        return _Lin(F32, mod.weight.shape[0], mod.weight.shape[1], 0, mod.weight.data_ptr(), None, None)
+        return Lin(F32, mod.weight.shape[0], mod.weight.shape[1], 0, mod.weight.data_ptr(), None, None)
     return None
 
 
@@ -128,17 +111,17 @@ def _attention_plan(block) -> _Plan:
         wq_a, wq_b, q_norm = _lin(attn.wq_a, keep), _lin(attn.wq_b, keep), _norm(attn.q_norm, keep)
         ok = wq_a is not None and q_norm is not None and attn.q_norm.eps == attn.kv_norm.eps
     else:
-        wq_a, wq_b, q_norm, ok = _Lin(), _lin(attn.wq, keep), None, True
+        wq_a, wq_b, q_norm, ok = Lin(), _lin(attn.wq, keep), None, True
     wkv_a, wo = _lin(attn.wkv_a, keep), _lin(attn.wo, keep)
     attn_norm, kv_norm = _norm(block.attn_norm, keep), _norm(attn.kv_norm, keep)
     wkv_b = attn.wkv_b.weight if isinstance(attn.wkv_b, nn.Linear) else None
     if not ok or None in (wq_b, wkv_a, wo, attn_norm, kv_norm) or not _plain(wkv_b):
         return _Plan(None, keep, why="attention weights in a format the kernel does not read")
     keep.append(wkv_b)
-    desc = _Attn(wq_a, wq_b, wkv_a, wo, attn_norm, q_norm, kv_norm, wkv_b.data_ptr(), a.hidden_size,
-                 attn.n_heads, a.q_lora_rank or 0, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim,
-                 a.kv_lora_rank, a.cache_dim, int(a.rope_interleave), block.attn_norm.eps, attn.kv_norm.eps,
-                 a.softmax_scale, 0.0)
+    desc = AttnDesc(wq_a, wq_b, wkv_a, wo, attn_norm, q_norm, kv_norm, wkv_b.data_ptr(), a.hidden_size,
+                    attn.n_heads, a.q_lora_rank or 0, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim,
+                    a.kv_lora_rank, a.cache_dim, int(a.rope_interleave), block.attn_norm.eps, attn.kv_norm.eps,
+                    a.softmax_scale, 0.0)
     return _Plan(desc, keep)
 
 
@@ -157,21 +140,22 @@ def _ffn_plan(block) -> _Plan:
         return _Plan(None, keep, why="feed-forward weights in a format the kernel does not read")
     dim = block.ffn_norm.weight.numel()
     if not block.is_moe:
-        return _Plan(_Ffn(*lins, norm, None, None, None, None, dim, 0, 0, 1, 1, 0, 0, 0, block.ffn_norm.eps, 1.0), keep)
+        dense = FfnDesc(*lins, norm, None, None, None, None, dim, 0, 0, 1, 1, 0, 0, 0, block.ffn_norm.eps, 1.0)
+        return _Plan(dense, keep)
     gate, a = ffn.gate, ffn.gate.args
     experts = _resident_blobs(ffn.experts)
     bias = gate.bias
     if experts is None:
-        return _Plan(None, keep, why="routed experts the host schedules (offloaded, or read under --cpu-mem)")
+        return _Plan(None, keep)       # experts the host schedules (offloaded, --cpu-mem): eager by design
     if not _plain(gate.weight) or (bias is not None and not _plain(bias)) \
             or a.n_group > MAX_ROUTER_GROUPS or a.num_experts_per_tok > a.n_routed_experts:
         return _Plan(None, keep, why="a router past the kernel's bounds")
     ptrs, desc, tensors = experts
     keep += [gate.weight, *tensors] + ([bias] if bias is not None else [])
-    d = _Ffn(*lins, norm, gate.weight.data_ptr(), None if bias is None else bias.data_ptr(), ptrs.data_ptr(),
-             desc.data_ptr(), dim, a.n_routed_experts, a.num_experts_per_tok, a.n_group, a.topk_group,
-             int(a.scoring_func == "softmax"), TOPK_METHODS[a.topk_method], int(a.norm_topk_prob),
-             block.ffn_norm.eps, a.routed_scaling_factor)
+    d = FfnDesc(*lins, norm, gate.weight.data_ptr(), None if bias is None else bias.data_ptr(), ptrs.data_ptr(),
+                desc.data_ptr(), dim, a.n_routed_experts, a.num_experts_per_tok, a.n_group, a.topk_group,
+                int(a.scoring_func == "softmax"), TOPK_METHODS[a.topk_method], int(a.norm_topk_prob),
+                block.ffn_norm.eps, a.routed_scaling_factor)
     return _Plan(d, keep, extra=(ptrs, desc))
 
 

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_build
+from ..quant.table import CPU_F32, FORMAT_TABLE
 
-# Nothing from quant/ is imported here (quant/layout.py dispatches to this module): a layout is any object with
-# quant.layout.BlobLayout's fields and `view`.
-FMT_CODES = {"bf16": 0, "fp8": 1, "int4": 2, "int8": 3}
+# Nothing of quant/ but its table is imported here (quant/layout.py dispatches to this module): a layout is any
+# object with quant.layout.BlobLayout's fields and `view`.
 MATRICES = ("gate", "up", "down")     # blob order (quant.layout.MATRICES)
 FP8_BLOCK = 128                       # edge of an fp8 scale block (quant.fp8.BLOCK)
 MAX_GROUPS = 1024                     # groups (int4) or 128-blocks (fp8) per weight row the kernel holds
@@ -34,7 +34,8 @@ MAX_GROUPS = 1024                     # groups (int4) or 128-blocks (fp8) per we
 
 def supports(layout) -> bool:
     """Whether blobs of `layout` have a CPU kernel (else their format's own expert_forward runs)."""
-    if layout.format not in FMT_CODES:
+    entry = FORMAT_TABLE.get(layout.format)
+    if entry is None or entry.cpu is None:
         return False
     g = layout.group_size or FP8_BLOCK
     if max(layout.inter, layout.hidden) > MAX_GROUPS * g:
@@ -56,14 +57,15 @@ def layout_desc(layout) -> torch.Tensor:
     """int64 [13] the kernel reads: format, group, inter, hidden, then (weight, scale, zero) offsets per matrix."""
     desc = getattr(layout, "_cpu_desc", None)
     if desc is None:
-        offs = [layout.components[f"{m}.{p}"].offset if p else -1 for m in MATRICES for p in _PARTS[layout.format]]
-        desc = torch.tensor([FMT_CODES[layout.format], layout.group_size or FP8_BLOCK, layout.inter, layout.hidden,
-                             *offs], dtype=torch.int64)
+        entry = FORMAT_TABLE[layout.format]
+        offs = [layout.components[f"{m}.{p}"].offset if p else -1 for m in MATRICES for p in entry.parts]
+        desc = torch.tensor([entry.cpu, layout.group_size or FP8_BLOCK, layout.inter, layout.hidden, *offs],
+                            dtype=torch.int64)
         layout._cpu_desc = desc
     return desc
 
 
-F32 = 4                               # the kernel's plain-fp32 weight format (dense experts, dense linears)
+F32 = CPU_F32                         # the kernel's plain-fp32 weight format (dense experts, dense linears)
 
 
 def dense_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -203,17 +205,14 @@ def matrix_weights_ref(fmt: str, weight: torch.Tensor, scale: torch.Tensor | Non
     raise ValueError(f"no CPU kernel for {fmt} weights")
 
 
-_PARTS = {"bf16": ("weight", None, None), "fp8": ("weight", "scale", None), "int4": ("qweight", "scales", "zeros"),
-          "int8": ("weight", "scale", None)}
-
-
 def expert_weights_ref(blob: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gate, up, down) of one blob in fp32 as the kernel applies them (`matrix_weights_ref`)."""
-    if layout.format not in _PARTS:
+    entry = FORMAT_TABLE.get(layout.format)
+    if entry is None or entry.cpu is None:
         raise ValueError(f"no CPU kernel for {layout.format} experts")
     out = []
     for m in MATRICES:
-        parts = [layout.view(blob, f"{m}.{p}") if p else None for p in _PARTS[layout.format]]
+        parts = [layout.view(blob, f"{m}.{p}") if p else None for p in entry.parts]
         out.append(matrix_weights_ref(layout.format, *parts, *layout.matrix_shape(m), layout.group_size))
     return tuple(out)
 

@@ -25,6 +25,7 @@ from .dispatch import jit as _jit, tl, triton
 from .quant_matmul import (FMT_CODES, FMT_FP8, FMT_FP8_BYTES, FMT_INT4, _X_DTYPES, _acc_result, _acc_zeros, _cast,
                            _dot_step, dot_precision, fp8_code, fp8_weight_view, num_tiles, plan_blocks)
 from ..quant.layout import BlobLayout, MATRICES
+from ..quant.table import FORMAT_TABLE
 
 
 
@@ -169,14 +170,14 @@ def _moe_down_kernel(
 
 def _pool_views(pool: torch.Tensor, layout: BlobLayout, fmt: int):
     """(weight pool view, scale pool view, {component: element offset}, {matrix: (weight row, scale row stride)})."""
-    if layout.format == "int4":
-        wview, sview, wpart, sparts = pool, pool.view(torch.float16), "qweight", ("scales", "zeros")
-    elif layout.format == "fp8":
-        wview, sview, wpart, sparts = fp8_weight_view(pool, fmt), pool.view(torch.float32), "weight", ("scale",)
-    elif layout.format == "bf16":
-        wview, sview, wpart, sparts = pool.view(torch.bfloat16), pool.view(torch.bfloat16), "weight", ()
-    else:
+    entry = FORMAT_TABLE.get(layout.format)
+    if entry is None or entry.triton is None:
         raise ValueError(f"fused_moe has no kernel for {layout.format!r} experts; use fused_moe_ref")
+    wpart, *rest = entry.parts
+    sparts = tuple(p for p in rest if p)
+    # fp8 weights as the GPU's kernels read them (its own type, or bytes), every other weight as the table says
+    wview = fp8_weight_view(pool, fmt) if fmt in (FMT_FP8, FMT_FP8_BYTES) else pool.view(getattr(torch, entry.weight_dtype))
+    sview = pool.view(getattr(torch, entry.scale_dtype)) if entry.scale_dtype else wview
     offsets, strides = {}, {}
     for m in MATRICES:
         comp = layout.components[f"{m}.{wpart}"]

@@ -141,8 +141,18 @@ class ExpertFormat:
     """
     name: str = ""
     group_size: int | None = None
-    fused_kernel: bool = True          # the Triton fused MoE kernel reads this format's blobs from the slot pool
     fp8_passthrough: bool = False      # packs a DeepSeek FP8 source's bytes and block scales as they are
+
+    @property
+    def kernels(self):
+        """What the kernels know of this format (quant/table.py's entry)."""
+        from .table import FORMAT_TABLE
+        return FORMAT_TABLE[self.name]
+
+    @property
+    def fused_kernel(self) -> bool:
+        """Whether the Triton fused MoE kernel reads this format's blobs from the slot pool."""
+        return self.kernels.triton is not None
 
     @classmethod
     def create(cls, group_size: int | None = None) -> "ExpertFormat":

@@ -63,7 +63,6 @@ class Nf4Format(ExpertFormat):
     """Per matrix: `qweight` uint8 [ceil(numel/2)] and `absmax` float32 [ceil(numel/64)]; the matrix shape
     comes from the layout (`BlobLayout.matrix_shape`)."""
     name = "nf4"
-    fused_kernel = False               # computed with bitsandbytes' own kernels
     group_size = BLOCKSIZE
 
     def check_available(self) -> None:

@@ -18,15 +18,18 @@ class FormatEntry:
     triton: int | None = None         # FMT constexpr of the Triton kernels; None: no Triton path (dequantized)
     cpu: int | None = None            # Fmt of kernels/csrc/cpu_kernels.cpp; None: no compiled CPU path
     parts: tuple = ()                 # (weight, scale, zero) component names of one matrix (None: absent)
-    scale_dtype: str | None = None    # element type of its scale / zero components (torch dtype name)
+    weight_dtype: str = "uint8"       # element type of its weight component (torch dtype name) ...
+    scale_dtype: str | None = None    # ... and of its scale / zero components
 
 
 FORMAT_TABLE: dict[str, FormatEntry] = {
-    "bf16": FormatEntry("bf16", "Bf16Format", triton=2, cpu=0, parts=("weight", None, None)),
-    "fp8": FormatEntry("fp8", "Fp8Format", triton=1, cpu=1, parts=("weight", "scale", None), scale_dtype="float32"),
+    "bf16": FormatEntry("bf16", "Bf16Format", triton=2, cpu=0, parts=("weight", None, None), weight_dtype="bfloat16"),
+    "fp8": FormatEntry("fp8", "Fp8Format", triton=1, cpu=1, parts=("weight", "scale", None),
+                       weight_dtype="float8_e4m3fn", scale_dtype="float32"),
     "int4": FormatEntry("int4", "Int4Format", triton=0, cpu=2, parts=("qweight", "scales", "zeros"),
                         scale_dtype="float16"),
-    "int8": FormatEntry("int8", "Int8Format", cpu=3, parts=("weight", "scale", None), scale_dtype="float32"),
+    "int8": FormatEntry("int8", "Int8Format", cpu=3, parts=("weight", "scale", None), weight_dtype="int8",
+                        scale_dtype="float32"),
     "nf4": FormatEntry("nf4", "Nf4Format"),
 }
 

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -562,7 +563,15 @@ constexpr int MAX_GROUPS = 1024;
 
 extern "C" {
 
-int dsv3_cpu_abi() { return 2; }
+// The code of a weight format by name (quant/table.py's cpu codes; kernels/cpu_abi.py checks them when the library
+// loads), -1 for a name this library does not know.
+int64_t dsv3_format_code(const char* name) {
+  static const struct { const char* name; int64_t code; } codes[] = {
+      {"bf16", BF16}, {"fp8", FP8}, {"int4", INT4}, {"int8", INT8}, {"f32", F32}};
+  for (const auto& c : codes)
+    if (std::strcmp(c.name, name) == 0) return c.code;
+  return -1;
+}
 
 // Routed experts of one MoE layer for tokens x [T, D] fp32 with routing ids [T, K] int64 and weights [T, K] fp32.
 // ptrs [E]: address of expert e's blob (0: not computed here). Pairs (t, k) whose expert has a blob are grouped
@@ -935,6 +944,35 @@ void route(const FfnDesc& d, const float* sc, float* choice, int64_t* ids, float
 }  // namespace
 
 extern "C" {
+
+// The descriptors' layouts as this compiler lays them out: out = [sizeof, the byte offset of each field in
+// declaration order] of the struct called `name` (kernels/cpu_abi.py compares them with its ctypes structs when the
+// library loads). Returns the count written, or -1 for an unknown name or too small an `out`.
+int64_t dsv3_struct_layout(const char* name, int64_t* out, int64_t cap) {
+#define DSV3_AT(S, f) static_cast<int64_t>(offsetof(S, f))
+  std::vector<int64_t> v;
+  if (std::strcmp(name, "Lin") == 0) {
+    v = {sizeof(Lin), DSV3_AT(Lin, fmt), DSV3_AT(Lin, n), DSV3_AT(Lin, k), DSV3_AT(Lin, group), DSV3_AT(Lin, w),
+         DSV3_AT(Lin, s), DSV3_AT(Lin, z)};
+  } else if (std::strcmp(name, "AttnDesc") == 0) {
+    v = {sizeof(AttnDesc), DSV3_AT(AttnDesc, wq_a), DSV3_AT(AttnDesc, wq_b), DSV3_AT(AttnDesc, wkv_a),
+         DSV3_AT(AttnDesc, wo), DSV3_AT(AttnDesc, attn_norm), DSV3_AT(AttnDesc, q_norm), DSV3_AT(AttnDesc, kv_norm),
+         DSV3_AT(AttnDesc, wkv_b), DSV3_AT(AttnDesc, dim), DSV3_AT(AttnDesc, heads), DSV3_AT(AttnDesc, q_lora),
+         DSV3_AT(AttnDesc, dn), DSV3_AT(AttnDesc, dr), DSV3_AT(AttnDesc, dv), DSV3_AT(AttnDesc, kv_lora),
+         DSV3_AT(AttnDesc, cache_dim), DSV3_AT(AttnDesc, interleave), DSV3_AT(AttnDesc, eps),
+         DSV3_AT(AttnDesc, latent_eps), DSV3_AT(AttnDesc, softmax_scale), DSV3_AT(AttnDesc, unused)};
+  } else if (std::strcmp(name, "FfnDesc") == 0) {
+    v = {sizeof(FfnDesc), DSV3_AT(FfnDesc, w1), DSV3_AT(FfnDesc, w3), DSV3_AT(FfnDesc, w2), DSV3_AT(FfnDesc, norm),
+         DSV3_AT(FfnDesc, gate_w), DSV3_AT(FfnDesc, gate_bias), DSV3_AT(FfnDesc, expert_ptrs),
+         DSV3_AT(FfnDesc, expert_desc), DSV3_AT(FfnDesc, dim), DSV3_AT(FfnDesc, n_experts), DSV3_AT(FfnDesc, topk),
+         DSV3_AT(FfnDesc, n_group), DSV3_AT(FfnDesc, topk_group), DSV3_AT(FfnDesc, softmax), DSV3_AT(FfnDesc, method),
+         DSV3_AT(FfnDesc, norm_topk), DSV3_AT(FfnDesc, eps), DSV3_AT(FfnDesc, scaling)};
+  }
+#undef DSV3_AT
+  if (v.empty() || static_cast<int64_t>(v.size()) > cap) return -1;
+  std::copy(v.begin(), v.end(), out);
+  return static_cast<int64_t>(v.size());
+}
 
 // Block.attention for T tokens at positions start.. (batch 1): out [T, D] = h + attention(attn_norm(h)); writes
 // the tokens' rows of cache [Tmax, cache_dim] (this layer's); cos / sin [T, dr] (Rotary's rows for the positions).
