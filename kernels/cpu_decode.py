@@ -279,9 +279,16 @@ def _tensor(cache) -> torch.Tensor | None:
     return cache.data if isinstance(cache, LatentCache) else cache.tensor
 
 
+def knows(model) -> bool:
+    """Whether the kernels here are written for `model`'s family (the V3 family's blocks)."""
+    from ..model import Transformer
+
+    return isinstance(model, Transformer)
+
+
 def covers(model) -> bool:
     """Whether the decode step runs every block of `model` (the kernels are there, on, and can read each block)."""
-    if not enabled() or cpu_build.library() is None:
+    if not enabled() or cpu_build.library() is None or not knows(model):
         return False
     return all(a.desc is not None and f.desc is not None for a, f in map(_block_plans, model.blocks()))
 

@@ -19,8 +19,11 @@ from .eager import Eager
 
 
 def base(model, device: torch.device, log=None) -> Eager:
-    """The executor for `device` without graphs: the compiled step on the CPU, else eager."""
-    if device.type == "cpu":
+    """The executor for `device` without graphs: the compiled step on the CPU for a family it has kernels for, else
+    eager."""
+    from ..kernels import cpu_decode
+
+    if device.type == "cpu" and cpu_decode.knows(model):
         from .cpu import CpuStep
         return CpuStep(model, device, log)
     return Eager(model, device, log)

@@ -42,7 +42,9 @@ def enabled() -> bool:
 
 def supported(model) -> bool:
     """Every model of the V3 family: its sub-steps either capture, or run between the captured segments."""
-    return True
+    from ..model import Transformer
+
+    return isinstance(model, Transformer)
 
 
 class _Op:
