@@ -9,6 +9,7 @@ from .fp8 import Fp8Format
 from .int4 import Int4Format
 from .int8 import Int8Format
 from .layout import ALIGN, BlobLayout, Component, ExpertFormat, swiglu_ref
+from .mxfp4 import Mxfp4Format
 from .nf4 import Nf4Format
 
 FORMAT_CLASSES: dict[str, type[ExpertFormat]] = {
@@ -17,6 +18,7 @@ FORMAT_CLASSES: dict[str, type[ExpertFormat]] = {
     "int4": Int4Format,
     "int8": Int8Format,
     "nf4": Nf4Format,
+    "mxfp4": Mxfp4Format,
 }
 FORMATS = tuple(FORMAT_CLASSES)
 

@@ -1,0 +1,66 @@
+"""Loading DeepSeek-V4 checkpoints (official or transformers layout) through the project's Loader: the V4 network,
+its name table (checkpoint.py), its fp32 / integer tensors, and MXFP4 experts decoded exactly (FP8 weights with
+ue8m0 or float32 `.scale` grids take the loader's FP8 path)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..hf_checkpoint import CheckpointIndex
+from ..loader import Loader
+from ..quant.mxfp4 import mxfp4_dequant
+from . import checkpoint
+from .config import V4Args
+from .model import Transformer
+
+# module tensors kept in fp32 whatever the compute dtype (as transformers keeps them): mHC, sinks, compressor
+# position biases, norms, the router
+_FP32_PARTS = ("hc_attn.", "hc_ffn.", "hc_head.", "attn_sink", ".ape", "norm.weight", "ffn.gate.weight",
+               "ffn.gate.bias")
+
+
+class V4Loader(Loader):
+    """Loader for deepseek_v4 checkpoints (see Loader: same arguments, same load())."""
+
+    def build(self, args: V4Args, with_mtp: bool) -> Transformer:
+        return Transformer(args, with_mtp=with_mtp)
+
+    def mtp_status(self, index: CheckpointIndex, args: V4Args) -> tuple[bool, str | None]:
+        """(MTP block present?, notice): off with a note when the checkpoint has no mtp.0.* tensors (transformers
+        drops them) or carries a DSpark drafter instead; an error when it has only some."""
+        if args.drafter is not None:
+            return False, "; ".join(args.load_notes())
+        if not args.has_mtp:
+            return False, None
+        present = {checkpoint.official_name(n) for n in index.files if checkpoint.official_name(n).startswith("mtp.0.")}
+        if not present:
+            return False, ("note: config declares an MTP block but the checkpoint has no mtp.0.* tensors; MTP "
+                           "speculative decoding is off")
+        for name in checkpoint.MTP_OWN:
+            if "mtp.0." + name not in present:
+                raise UserError(f"checkpoint has a partial MTP block: mtp.0.{name} is missing")
+        return True, None
+
+    def map_name(self, name: str, args: V4Args):
+        return checkpoint.map_name(name, args)
+
+    def checkpoint_name(self, module_name: str, args: V4Args, expert="<e>") -> str:
+        return checkpoint.checkpoint_name(module_name, args, expert)
+
+    def tensor_dtype(self, module_name: str) -> torch.dtype:
+        if module_name.endswith("tid2eid"):
+            return torch.long
+        return torch.float32 if any(p in module_name for p in _FP32_PARTS) else self.dtype
+
+    def dequant(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if weight.dtype == torch.int8:                  # MXFP4 codes; the values are exact in bf16
+            return mxfp4_dequant(weight, scale, torch.float32)
+        return super().dequant(weight, scale)
+
+
+def load_v4(root: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+            mtp: bool = True, progress: bool = False, log=None) -> Transformer:
+    """A deepseek_v4 checkpoint directory -> the resident network (experts dequantized to `dtype`)."""
+    return V4Loader(root, torch.device(device), dtype, progress=progress, log=log).load(mtp=mtp)
