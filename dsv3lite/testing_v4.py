@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -49,7 +50,7 @@ QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dyna
 
 def v4_config(variant: str = "tiny", **overrides) -> dict:
     """An official-style config.json dict of a tiny variant."""
-    return dict(_COMMON, **V4_VARIANTS[variant], **overrides)
+    return {**_COMMON, **V4_VARIANTS[variant], **overrides}
 
 
 def release_dtype(name: str) -> str:
@@ -242,6 +243,16 @@ def _released_entries(name: str, shape) -> list[tuple[str, str, tuple[int, ...]]
     return [(name, {"f32": "F32", "i32": "I32", "bf16": "BF16"}[kind], shape)]
 
 
+def _draw_mxfp4(name: str, shape, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random released MXFP4 codes and scales of a [N, K] expert matrix drawn as bytes (no quantization: fast),
+    the weights' magnitude about K^-1/2."""
+    n, k = shape
+    exponent = 127 + round(math.log2(k ** -0.5 / 3))                 # e2m1 magnitudes average about 3
+    scales = exponent + torch.randint(-1, 2, (n, k // 32), generator=gen)
+    return {name: torch.randint(-128, 128, (n, k // 2), dtype=torch.int8, generator=gen),
+            name[:-len("weight")] + "scale": scales.to(torch.uint8).view(torch.float8_e8m0fnu)}
+
+
 def _draw(name: str, shape, cfg: dict, gen: torch.Generator) -> torch.Tensor:
     if name.endswith("tid2eid"):
         return torch.stack([torch.randperm(cfg["n_routed_experts"], generator=gen)[:shape[1]]
@@ -279,7 +290,9 @@ def write_v4_official(path, cfg: dict, seed: int = 0, tokenizer_from=None, layer
         with TensorFileWriter.create(path / files[shard], entries, {"format": "pt"}) as out:
             for i, name, shape in mine:
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-                for n, t in _release(name, _draw(name, shape, cfg, gen))[0].items():
+                released = _draw_mxfp4(name, shape, gen) if release_dtype(name) == "mxfp4" else \
+                    _release(name, _draw(name, shape, cfg, gen))[0]
+                for n, t in released.items():
                     out.write(n, t.contiguous())
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps(cfg, indent=2))

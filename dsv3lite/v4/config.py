@@ -195,6 +195,10 @@ def _attn_kinds(cfg: dict, n: int) -> tuple[list[str], bool]:
     """(kind per main layer + the MTP block, whether a DSpark drafter replaces MTP)."""
     dspark = any(k.startswith("dspark_") for k in cfg)
     ratios, types = cfg.get("compress_ratios"), cfg.get("layer_types")
+    if ratios is None and types is None:
+        raise UserError("config: a deepseek_v4 config.json needs compress_ratios or layer_types (the attention kind "
+                        "of each layer)")
+    kinds = []
     if ratios is not None:
         if not isinstance(ratios, list) or any(r not in _RATIO_KINDS for r in ratios):
             raise UserError("config: compress_ratios entries must be 0 (sliding), 4 (CSA) or 128 (HCA)")
@@ -203,14 +207,11 @@ def _attn_kinds(cfg: dict, n: int) -> tuple[list[str], bool]:
             raise UserError(f"config: compress_ratios has {len(ratios)} entries for {n} layers (expected {n + 1}: "
                             f"one per layer and one for the MTP block)")
         kinds = [_RATIO_KINDS[r] for r in ratios[:n + 1]]
-    elif types is not None:
+    if types is not None:                             # wins for the main layers, as in transformers
         if not isinstance(types, list) or any(t not in _TYPE_KINDS for t in types) or len(types) < n:
             raise UserError(f"config: layer_types must list one of {', '.join(_TYPE_KINDS)} for each of the {n} "
                             f"layers")
-        kinds = [_TYPE_KINDS[t] for t in types[:n + 1]]
-    else:
-        raise UserError("config: a deepseek_v4 config.json needs compress_ratios or layer_types (the attention kind "
-                        "of each layer)")
+        kinds = [_TYPE_KINDS[t] for t in types[:n]] + kinds[n:]
     if len(kinds) == n:
         kinds.append(SLIDING)                         # the MTP block (transformers drops its entry)
     if dspark:
@@ -231,11 +232,10 @@ def _compress_rates(cfg: dict) -> dict:
 
 
 def _hash_layers(cfg: dict, n: int) -> int:
-    if cfg.get("num_hash_layers") is not None:
-        return int(cfg["num_hash_layers"])
-    types = cfg.get("mlp_layer_types")
+    types = cfg.get("mlp_layer_types")                # wins over num_hash_layers, as in transformers
     if types is None:
-        return 3                                      # transformers' default
+        k = cfg.get("num_hash_layers")
+        return 3 if k is None else int(k)             # 3: transformers' default
     k = sum(t == "hash_moe" for t in types) if isinstance(types, list) else -1
     if k < 0 or len(types) != n or types != ["hash_moe"] * k + ["moe"] * (n - k):
         raise UserError(f"config: mlp_layer_types must be {n} entries, 'hash_moe' layers first, then 'moe'")
