@@ -54,9 +54,10 @@ def supports(layout) -> bool:
     return True
 
 
-def available(layout) -> bool:
-    """Whether blobs of `layout` run through the compiled kernel here (a library, and a kernel for the layout)."""
-    return supports(layout) and cpu_build.library() is not None
+def available(layout, limit: float | None = None) -> bool:
+    """Whether blobs of `layout` run through the compiled kernel here (a library, and a kernel for the layout;
+    with a SwiGLU clamp `limit`, one that clamps)."""
+    return supports(layout) and (limit is None or layout.format == "mxfp4") and cpu_build.library() is not None
 
 
 def layout_desc(layout) -> torch.Tensor:
@@ -174,8 +175,7 @@ def expert_forward_cpu(blob: torch.Tensor, x: torch.Tensor, layout,
                        limit: float | None = None) -> torch.Tensor | None:
     """One expert on x [N, D] (CPU): down(silu(gate x) * up x) through the kernel (limit: clamped), or None where it
     cannot run (no library, no kernel for this layout and limit) and the caller's own path should. Returns x.dtype."""
-    if blob.device.type != "cpu" or not blob.is_contiguous() or not available(layout) or \
-            (limit is not None and layout.format != "mxfp4"):
+    if blob.device.type != "cpu" or not blob.is_contiguous() or not available(layout, limit):
         return None
     n = x.shape[0]
     fixed = _ONE_EXPERT.get(n)

@@ -1,16 +1,18 @@
 """Loading DeepSeek-V4 checkpoints (official or transformers layout) through the project's Loader: the V4 network,
-its name table (checkpoint.py), its fp32 / integer tensors, and MXFP4 experts decoded exactly (FP8 weights with
-ue8m0 or float32 `.scale` grids take the loader's FP8 path)."""
+its name table (checkpoint.py), its fp32 / integer tensors, and MXFP4 experts decoded exactly or served as released
+(FP8 weights with ue8m0 or float32 `.scale` grids take the loader's FP8 path)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from ..errors import UserError
-from ..hf_checkpoint import CheckpointIndex
+from ..experts import BlobExperts
+from ..hf_checkpoint import CheckpointIndex, TensorReader
 from ..loader import Loader
-from ..quant.mxfp4 import mxfp4_dequant
+from ..quant.mxfp4 import Mxfp4Format, mxfp4_dequant
 from . import checkpoint
 from .config import V4Args
 from .model import Transformer
@@ -60,7 +62,37 @@ class V4Loader(Loader):
         return super().dequant(weight, scale)
 
 
+def released_expert_blobs(reader: TensorReader, args: V4Args, layer_id: int) -> torch.Tensor:
+    """uint8 [n_experts, blob_bytes] of one MoE layer (the MTP block's: layer_id == num_hidden_layers): the
+    checkpoint's MXFP4 codes and scales repacked verbatim into mxfp4 blobs (quant/mxfp4.py)."""
+    fmt = Mxfp4Format()
+    layout = fmt.layout(args.moe_intermediate_size, args.hidden_size)
+    module = "mtp.block.ffn.experts." if layer_id == args.mtp_layer_id else f"layers.{layer_id}.ffn.experts."
+    blobs = torch.empty(args.n_routed_experts, layout.blob_bytes, dtype=torch.uint8)
+    for e in range(args.n_routed_experts):
+        parts = []
+        for matrix in ("w1", "w3", "w2"):                # gate, up, down: quant.layout.MATRICES
+            name = checkpoint.checkpoint_name(module + matrix, args, e)
+            codes, scales = reader.weight(name)
+            if codes.dtype != torch.int8 or scales is None:
+                raise UserError(f"{name} is {codes.dtype}, not MXFP4 codes with a scale: the released experts are "
+                                f"served as they are only from an MXFP4 checkpoint")
+            parts += [codes, scales]
+        fmt.pack_prequantized(*parts, out=blobs[e])
+    return blobs
+
+
 def load_v4(root: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-            mtp: bool = True, progress: bool = False, log=None) -> Transformer:
-    """A deepseek_v4 checkpoint directory -> the resident network (experts dequantized to `dtype`)."""
-    return V4Loader(root, torch.device(device), dtype, progress=progress, log=log).load(mtp=mtp)
+            mtp: bool = True, progress: bool = False, log=None, released_experts: bool = False) -> Transformer:
+    """A deepseek_v4 checkpoint directory -> the resident network: routed experts dequantized to `dtype`, or with
+    `released_experts` served as released (MXFP4 blobs; on the CPU through the packed kernel)."""
+    loader = V4Loader(root, torch.device(device), dtype, progress=progress, log=log)
+    if not released_experts:
+        return loader.load(mtp=mtp)
+    args = V4Args.from_dict(json.loads((Path(root) / "config.json").read_text()))
+    layout = Mxfp4Format().layout(args.moe_intermediate_size, args.hidden_size)
+    with TensorReader(CheckpointIndex.open(root)) as reader:
+        def provider(layer_id: int) -> BlobExperts:
+            blobs = released_expert_blobs(reader, args, layer_id).to(device)
+            return BlobExperts(blobs, Mxfp4Format(), layout, limit=args.swiglu_limit)
+        return loader.load(args, expert_provider=provider, mtp=mtp)

@@ -1318,16 +1318,21 @@ int dsv3_int4_quantize(const void* w, int64_t kind, const float* sinv, int64_t n
 
 // ==== MXFP4 routed experts (DeepSeek-V4's released format; quant/mxfp4.py, kernels/cpu_experts.py) ==============
 // A blob holds per matrix codes [n, kp/2] (two e2m1 per byte, the low nibble the even k) and scales [n, kp/32]
-// (ue8m0 bytes), kp = k rounded up to 32 (zero padding; released checkpoints need none). 32 code bytes (64 weights, two 32-blocks) decode by one table lookup per nibble into doubled e2m1
-// values (integers -12..12, exact): the low nibbles are the two blocks' even elements, the high nibbles their odd
-// ones. Activations are prepared per token in that order, as (act 0) int8 per 32-block (symmetric, amax / 127,
-// half-even, as the int8 kernel rounds) multiplied with the codes in integers, each block's sum times
-// s_w / 2 * s_x; or (act 1) fp32, each block's partial dot times s_w / 2. The SwiGLU clamps its gate and up at
-// `limit` (DeepSeek-V4's swiglu_limit; +inf: no clamp): h = silu(min(g, limit)) * clamp(u, -limit, limit).
+// (ue8m0 bytes), kp = k rounded up to 32 (zero padding; released checkpoints need none). 32 code bytes (64
+// weights, two 32-blocks) decode by one table lookup per nibble into doubled e2m1 values (integers -12..12, exact):
+// the low nibbles are the two blocks' even elements, the high nibbles their odd ones. Activations are prepared per
+// token in that order, as (act 0) int8 per 32-block (symmetric, amax / 127, half-even, as the int8 kernel rounds)
+// multiplied in integers with the values plus 12 (unsigned, for maddubs) and 12 * sum(xq) taken off again, each
+// block's sum times s_w / 2 * s_x (measured faster at 1, 4 and 32 tokens: benchmarks/mxfp4_cpu.py); or (act 1)
+// fp32, each block's partial dot times s_w / 2. The SwiGLU clamps its gate and up at `limit` (DeepSeek-V4's
+// swiglu_limit; +inf: no clamp): h = silu(min(g, limit)) * clamp(u, -limit, limit).
 namespace {
 
 alignas(32) constexpr int8_t E2M1_X2[32] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
                                             0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int MX_OFFSET = 12;            // E2M1_X2 + 12 >= 0: maddubs' unsigned operand
+alignas(32) constexpr uint8_t E2M1_X2_OFF[32] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                                 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 struct Ue8m0Half {                  // 2^(b - 127) / 2 for every byte b (the value table is doubled); 0xFF NaN
   float v[256];
@@ -1341,11 +1346,12 @@ const float* ue8m0_half() {
   return table.v;
 }
 
-// one token's prepared activation: int8 q and |q| [chunks * 64] with the block scales as 8 lanes per chunk
-// (4 x the first block's, 4 x the second's), or fp32 f [chunks * 64]
+// one token's prepared activation: int8 q [chunks * 64] with, as 8 lanes per chunk (4 for the first block, 4 for
+// the second), the offset's correction (3 x the block's sum of q: 12 x the sum over the 4 lanes) and the block
+// scales; or fp32 f [chunks * 64]
 struct MxAct {
   const int8_t* q = nullptr;
-  const uint8_t* aq = nullptr;
+  const int32_t* corr = nullptr;
   const float* xs8 = nullptr;
   const float* f = nullptr;
 };
@@ -1353,7 +1359,7 @@ struct MxAct {
 struct MxActSize {
   int64_t k, chunks;
   bool f32;
-  int64_t bytes() const { return f32 ? chunks * 64 * 4 : chunks * (64 + 64 + 32); }
+  int64_t bytes() const { return f32 ? chunks * 64 * 4 : chunks * (64 + 32 + 32); }
 };
 
 inline int64_t mx_padded(int64_t k) { return (k + 31) / 32 * 32; }
@@ -1366,8 +1372,8 @@ inline MxAct mx_view(uint8_t* base, const MxActSize& s) {
     a.f = reinterpret_cast<const float*>(base);
   } else {
     a.q = reinterpret_cast<const int8_t*>(base);
-    a.aq = base + s.chunks * 64;
-    a.xs8 = reinterpret_cast<const float*>(base + s.chunks * 128);
+    a.corr = reinterpret_cast<const int32_t*>(base + s.chunks * 64);
+    a.xs8 = reinterpret_cast<const float*>(base + s.chunks * 96);
   }
   return a;
 }
@@ -1387,9 +1393,10 @@ void mx_prepare(const float* x, const MxActSize& s, uint8_t* base) {
     return;
   }
   int8_t* q = reinterpret_cast<int8_t*>(base);
-  uint8_t* aq = base + s.chunks * 64;
-  float* xs8 = reinterpret_cast<float*>(base + s.chunks * 128);
+  int32_t* corr = reinterpret_cast<int32_t*>(base + s.chunks * 64);
+  float* xs8 = reinterpret_cast<float*>(base + s.chunks * 96);
   std::memset(q, 0, s.chunks * 64);
+  std::memset(corr, 0, s.chunks * 8 * sizeof(int32_t));
   std::memset(xs8, 0, s.chunks * 8 * sizeof(float));
   for (int64_t b = 0; b < mx_padded(s.k) / 32; ++b) {
     const float* xb = x + b * 32;
@@ -1397,10 +1404,17 @@ void mx_prepare(const float* x, const MxActSize& s, uint8_t* base) {
     float amax = 0.f;
     for (int j = 0; j < n; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float inv = amax > 0.f ? 127.0f / amax : 0.f;
-    for (int j = 0; j < n; ++j) q[mx_slot(b * 32 + j)] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-    for (int i = 0; i < 4; ++i) xs8[b / 2 * 8 + b % 2 * 4 + i] = amax / 127.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < n; ++j) {
+      const int8_t v = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      q[mx_slot(b * 32 + j)] = v;
+      sum += v;
+    }
+    for (int i = 0; i < 4; ++i) {
+      corr[b / 2 * 8 + b % 2 * 4 + i] = MX_OFFSET / 4 * sum;
+      xs8[b / 2 * 8 + b % 2 * 4 + i] = amax / 127.0f;
+    }
   }
-  for (int64_t i = 0; i < s.chunks * 64; ++i) aq[i] = static_cast<uint8_t>(std::abs(static_cast<int>(q[i])));
 }
 
 inline __m256 mx_i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
@@ -1409,7 +1423,8 @@ inline __m256 mx_i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_
 template <int NT, bool F32ACT>
 void mx_row(const uint8_t* w, const uint8_t* sb, int64_t k, const MxAct* a, float* out) {
   const float* tab = ue8m0_half();
-  const __m256i lut = _mm256_load_si256(reinterpret_cast<const __m256i*>(E2M1_X2));
+  const void* table = F32ACT ? static_cast<const void*>(E2M1_X2) : static_cast<const void*>(E2M1_X2_OFF);
+  const __m256i lut = _mm256_load_si256(static_cast<const __m256i*>(table));
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t blocks = k / 32, full = k / 64;
@@ -1423,11 +1438,11 @@ void mx_row(const uint8_t* w, const uint8_t* sb, int64_t k, const MxAct* a, floa
       const __m256 sw = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
       for (int t = 0; t < NT; ++t) {
         const __m256i* xq = reinterpret_cast<const __m256i*>(a[t].q + c * 64);
-        const __m256i* xa = reinterpret_cast<const __m256i*>(a[t].aq + c * 64);
-        const __m256i d = _mm256_add_epi16(
-            _mm256_maddubs_epi16(_mm256_loadu_si256(xa), _mm256_sign_epi8(wl, _mm256_loadu_si256(xq))),
-            _mm256_maddubs_epi16(_mm256_loadu_si256(xa + 1), _mm256_sign_epi8(wh, _mm256_loadu_si256(xq + 1))));
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones));   // lanes 0-3: block 0, 4-7: block 1
+        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_loadu_si256(xq)),
+                                           _mm256_maddubs_epi16(wh, _mm256_loadu_si256(xq + 1)));
+        const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t].corr + c * 8));
+        // lanes 0-3: block 0, 4-7: block 1 (exact integers: |sum| < 2^24)
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(d, ones), corr));
         acc[t] = _mm256_fmadd_ps(sums, _mm256_mul_ps(sw, _mm256_loadu_ps(a[t].xs8 + c * 8)), acc[t]);
       }
     } else {
@@ -1508,9 +1523,11 @@ thread_local std::vector<uint8_t> tl_mx_pairs, tl_mx_acts, tl_mx_hidden;
 extern "C" {
 
 // dsv3_moe for MXFP4 blobs with the SwiGLU clamped at `limit` (+inf: none) and activations as `act` (0 int8,
-// 1 fp32): the same arguments, grouping and ascending-id sums. Returns 0, or -1 for an expert id out of range.
+// 1 fp32): the same arguments, grouping and ascending-id sums. Returns 0, -1 for an expert id out of range, or -2
+// for a descriptor of another format.
 int dsv3_moe_mxfp4(const float* xp, int64_t T, const int64_t* idp, const float* wp, int64_t K, const int64_t* pp,
                    int64_t E, const int64_t* desc, float* op, int per_pair, int threads, float limit, int act) {
+  if (desc[0] != MXFP4) return -2;
   const int64_t I = desc[2], D = desc[3];
   const int64_t NP = T * K;
   // pairs (t, k) with a blob, grouped by expert: begin[e]..begin[e + 1] index `order`; `used` the ids ascending
