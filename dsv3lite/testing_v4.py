@@ -115,9 +115,11 @@ def write_v4_hf(path, variant: str = "tiny", seed: int = 0, tokenizer: bool = Tr
     return path
 
 
-def write_v4_pair(official_dir, hf_dir, variant: str = "tiny", seed: int = 0, mtp: bool = True) -> tuple[Path, Path]:
+def write_v4_pair(official_dir, hf_dir, variant: str = "tiny", seed: int = 0, mtp: bool = True,
+                  base: bool = False) -> tuple[Path, Path]:
     """The same tiny network twice: `official_dir` in the released layout and dtypes (plus a random MTP block when
-    `mtp`), `hf_dir` in transformers' layout in fp32 holding exactly the values the released tensors decode to."""
+    `mtp`), `hf_dir` in transformers' layout in fp32 holding exactly the values the released tensors decode to.
+    base: as the Base releases (§5.5): FP8 experts with float32 128x128 scales, no expert_dtype."""
     from safetensors.torch import load_file, save_file
 
     from .v4.checkpoint import official_name
@@ -127,10 +129,10 @@ def write_v4_pair(official_dir, hf_dir, variant: str = "tiny", seed: int = 0, mt
     saved = load_file(official_dir / "model.safetensors")
     released, decoded = {}, {}
     for name, t in saved.items():
-        out, decoded[name] = _release(official_name(name), t)
+        out, decoded[name] = _release(official_name(name), t, base)
         released.update(out)
     if mtp:
-        released.update(_mtp_block(variant, seed + 1))
+        released.update(_mtp_block(variant, seed + 1, base))
     save_file(decoded, hf_dir / "model.safetensors", metadata={"format": "pt"})
     for f in official_dir.iterdir():
         if f.suffix in (".json", ".jinja") and f.name != "config.json":
@@ -138,12 +140,12 @@ def write_v4_pair(official_dir, hf_dir, variant: str = "tiny", seed: int = 0, mt
     (hf_dir / "config.json").write_bytes((official_dir / "config.json").read_bytes())
     (official_dir / "model.safetensors").unlink()
     save_file(released, official_dir / "model.safetensors", metadata={"format": "pt"})
-    cfg = v4_config(variant, quantization_config=QUANT_CONFIG, expert_dtype="fp4")
+    cfg = v4_config(variant, quantization_config=QUANT_CONFIG, **({} if base else {"expert_dtype": "fp4"}))
     (official_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return official_dir, hf_dir
 
 
-def _mtp_block(variant: str, seed: int) -> dict[str, torch.Tensor]:
+def _mtp_block(variant: str, seed: int, base: bool = False) -> dict[str, torch.Tensor]:
     """A random MTP block (mtp.0.*) in the released layout: a one-layer sliding, learned-routing V4 block from
     transformers plus its own projections, norms and hc_head."""
     from .v4.checkpoint import official_name
@@ -164,7 +166,7 @@ def _mtp_block(variant: str, seed: int) -> dict[str, torch.Tensor]:
             own[official[len("layers.0."):]] = t
     out = {}
     for name, t in own.items():
-        out.update(_release("mtp.0." + name, t)[0])
+        out.update(_release("mtp.0." + name, t, base)[0])
     return out
 
 
@@ -179,15 +181,19 @@ def _saved_state(hf) -> dict[str, torch.Tensor]:
         return load_file(Path(tmp) / "model.safetensors")
 
 
-def _release(name: str, t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """({official name: released tensor(s)}, the fp32 values they decode to) for one tensor of official name."""
-    from .quant.fp8 import fp8_block_dequant
+def _release(name: str, t: torch.Tensor, base: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """({official name: released tensor(s)}, the fp32 values they decode to: the loader's bf16(fp32(q) * s) for
+    FP8) for one tensor of official name; base: experts as FP8 with float32 scales."""
+    from .quant.fp8 import fp8_block_dequant, fp8_block_quantize
     from .quant.mxfp4 import mxfp4_dequant, mxfp4_quantize
 
     kind = release_dtype(name)
+    if kind == "mxfp4" and base:
+        q, s = fp8_block_quantize(t)
+        return {name: q, name[:-len("weight")] + "scale": s}, fp8_block_dequant(q, s).float()
     if kind == "fp8":
         q, s = fp8_quantize_ue8m0(t)
-        return {name: q, name[:-len("weight")] + "scale": s}, fp8_block_dequant(q, s.float(), torch.float32)
+        return {name: q, name[:-len("weight")] + "scale": s}, fp8_block_dequant(q, s.float()).float()
     if kind == "mxfp4":
         codes, scales = mxfp4_quantize(t)
         return ({name: codes.view(torch.int8), name[:-len("weight")] + "scale": scales.view(torch.float8_e8m0fnu)},

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsv3lite.config import ModelArgs
+from dsv3lite.errors import UserError
 from dsv3lite.experts import BlobExperts
 from dsv3lite.kernels import cpu_experts
 from dsv3lite.testing_v4 import (FLASH_RATIOS, official_tensors, release_dtype, v4_flash_slice_config,
@@ -52,6 +53,22 @@ def test_released_experts_through_the_kernel(official, monkeypatch):
             want = dense.experts(x, e, w)
             err = (blobs.experts(x, e, w) - want).norm() / want.norm()
             assert 0 < err < 2e-2
+
+
+def test_base_checkpoint_fp8_experts_with_float32_scales(tmp_path):
+    """V4 Base (§5.5): routed experts FP8 128x128 with F32 `.scale` grids and no expert_dtype; they decode as every
+    FP8 weight does (bf16(fp32(q) * s)) to the values of the fp32 copy."""
+    official, hf = write_v4_pair(tmp_path / "official", tmp_path / "hf", "tiny", base=True)
+    from safetensors import safe_open
+    with safe_open(official / "model.safetensors", "pt") as f:
+        assert f.get_slice("layers.3.ffn.experts.5.w2.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("layers.3.ffn.experts.5.w2.scale").get_dtype() == "F32"
+    a, b = load_v4(official, mtp=False, **QUIET), load_v4(hf, **QUIET)
+    assert a.args.expert_dtype is None
+    for name, t in a.state_dict().items():
+        assert torch.equal(t, b.state_dict()[name]), name
+    with pytest.raises(UserError, match="not MXFP4"):
+        load_v4(official, released_experts=True, **QUIET)
 
 
 def test_dspark_drafter_is_not_read(official, tmp_path):
