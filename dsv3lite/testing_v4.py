@@ -103,12 +103,15 @@ def _perturb(model, seed: int) -> None:
                 t.copy_(1 + noise(t, 0.1))
 
 
-def write_v4_hf(path, variant: str = "tiny", seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
-    """A tiny transformers-layout checkpoint (save_pretrained, fp32) and a tokenizer."""
+def write_v4_hf(path, variant: str = "tiny", seed: int = 0, tokenizer: bool = True, dtype=None,
+                **overrides) -> Path:
+    """A tiny transformers-layout checkpoint (save_pretrained, fp32, or `dtype`: torch.bfloat16) and a tokenizer."""
     from .testing import write_tokenizer
 
     path = Path(path)
     model = v4_hf_model(variant, seed, **overrides)
+    if dtype is not None:
+        model = model.to(dtype)
     model.save_pretrained(path)
     if tokenizer:
         write_tokenizer(path, vocab_size=min(400, model.config.vocab_size))

@@ -37,9 +37,10 @@ FP8_BLOCK = 128                       # edge of an fp8 scale block (quant.fp8.BL
 MAX_GROUPS = 1024                     # groups (int4) or 128-blocks (fp8) per weight row the kernel holds
 
 
-def supports(layout) -> bool:
-    """Whether blobs of `layout` have a CPU kernel (else their format's own expert_forward runs)."""
-    if layout.format not in FMT_CODES:
+def supports(layout, limit: float | None = None) -> bool:
+    """Whether blobs of `layout` have a CPU kernel (else their format's own expert_forward runs); with a SwiGLU
+    clamp `limit`, one that clamps (mxfp4's)."""
+    if layout.format not in FMT_CODES or (limit is not None and layout.format != "mxfp4"):
         return False
     if layout.format == "mxfp4":
         return True
@@ -55,9 +56,8 @@ def supports(layout) -> bool:
 
 
 def available(layout, limit: float | None = None) -> bool:
-    """Whether blobs of `layout` run through the compiled kernel here (a library, and a kernel for the layout;
-    with a SwiGLU clamp `limit`, one that clamps)."""
-    return supports(layout) and (limit is None or layout.format == "mxfp4") and cpu_build.library() is not None
+    """Whether blobs of `layout` run through the compiled kernel here (a library, and a kernel: `supports`)."""
+    return supports(layout, limit) and cpu_build.library() is not None
 
 
 def layout_desc(layout) -> torch.Tensor:
@@ -135,7 +135,7 @@ def cpu_experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
         return acc
     lib = cpu_build.library()
     act = act or MXFP4_ACT
-    if lib is None or not supports(layout) or (limit is not None and layout.format != "mxfp4"):
+    if lib is None or not supports(layout, limit):
         y = cpu_experts_ref(x, ids, weights, blobs, layout, per_pair=per_pair, limit=limit, act=act)
         if out is not None:
             out.copy_(y)

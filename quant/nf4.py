@@ -102,8 +102,9 @@ class Nf4Format(ExpertFormat):
         `limit` (swiglu_act), the ref."""
         bnb = _bnb()
         layout = self._resolve(blob, layout)
-        if limit is not None or x.device.type == "cpu" and (layout.hidden % BLOCKSIZE or layout.inter % BLOCKSIZE):
+        if limit is not None or (x.device.type == "cpu" and (layout.hidden % BLOCKSIZE or layout.inter % BLOCKSIZE)):
             # bitsandbytes' CPU kernel blocks each row on its own: rows that are not whole blocks need the twin
+            # (and bitsandbytes has no clamp)
             return self.expert_forward_ref(blob, x, layout, limit)
 
         def linear(inp, m):

@@ -28,23 +28,29 @@ def odd_dir(tmp_path_factory):
     return write_v4_hf(tmp_path_factory.mktemp("v4odd"), "odd")
 
 
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    return write_v4_hf(tmp_path_factory.mktemp("v4bf16"), "tiny", seed=3, dtype=torch.bfloat16)
+
+
 def oracle(path):
     from transformers import DeepseekV4ForCausalLM
 
     return DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def dirs(pair, odd_dir, variant):
-    return pair[1] if variant == "tiny" else odd_dir
+def dirs(pair, odd_dir, variant, bf16_dir=None):
+    return {"tiny": pair[1], "odd": odd_dir, "bf16": bf16_dir}[variant]
 
 
 def tokens(vocab, shape, seed=0):
     return torch.randint(2, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("variant", ["tiny", "odd"])
-def test_logits_match_transformers(pair, odd_dir, variant):
-    path = dirs(pair, odd_dir, variant)
+@pytest.mark.parametrize("variant", ["tiny", "odd", "bf16"])
+def test_logits_match_transformers(pair, odd_dir, bf16_dir, variant):
+    """fp32 compute; "bf16": a save_pretrained checkpoint in bfloat16, computed in fp32 by both."""
+    path = dirs(pair, odd_dir, variant, bf16_dir)
     hf, mine = oracle(path), load_v4(path, **QUIET)
     a = mine.args
     assert set(a.attn_kinds[:a.num_hidden_layers]) == {SLIDING, CSA, HCA} and 0 < a.num_hash_layers < 4
@@ -134,3 +140,16 @@ def test_observers_and_router_input(pair):
             if mine.args.is_hash_layer(block.layer_id):
                 assert torch.equal(e, block.ffn.gate.tid2eid[ids.flatten()])
     assert len(seen) == mine.args.num_hidden_layers == len(mine.moe_modules())
+
+
+def test_query_blocks_give_the_same_logits(pair, monkeypatch):
+    """Long prompts are scored a block of queries at a time (attention and indexer): blocks of a few queries give
+    the logits of one block."""
+    from dsv3lite.v4 import attention
+
+    mine = load_v4(pair[1], **QUIET)
+    ids = tokens(mine.args.vocab_size, (2, SEQ), seed=5)
+    with torch.inference_mode():
+        whole = mine(ids)
+        monkeypatch.setattr(attention, "SCORE_ELEMENTS", 3000)      # 1-5 queries a block here
+        torch.testing.assert_close(mine(ids), whole, rtol=0, atol=1e-5)

@@ -211,7 +211,7 @@ class Attention(nn.Module):
                 index_keys = self.indexer.compressor.update(a, start, states["indexer"], self.compress_rotary)
                 if entries.shape[1] > self.indexer.topk:   # else every visible entry is picked: the causal mask
                     selected = self.indexer.select(a, qr, positions, index_keys, self.compress_rotary)
-        out = self._attend(q, positions, keys, entries, selected)               # [B, S, H, hd]
+        out = self._attend(q, start, positions, keys, entries, selected)        # [B, S, H, hd]
         out = apply_rope(out, cos[:, None], -sin[:, None])                   # back to offsets p - j
         return self.wo_b(self._grouped_wo_a(out))
 
@@ -236,19 +236,23 @@ class Attention(nn.Module):
         cache.window.write(kv, start)
         return torch.cat((prior, kv), dim=1), cache.compressors
 
-    def _attend(self, q, positions, keys, entries, selected):
-        """Softmax over (window keys, visible or selected entries) and the sink, per query; V = K."""
+    def _attend(self, q, start, positions, keys, entries, selected):
+        """Softmax over (window keys, visible or selected entries) and the sink, per query; V = K. Queries go in
+        blocks that bound the scores (and the gathered entries) held at once."""
         bsz, seqlen, h, hd = q.shape
         n_comp = 0 if entries is None else (entries.shape[1] if selected is None else selected.shape[-1])
-        block = max(1, min(seqlen, SCORE_ELEMENTS // max(1, bsz * h * (self.window + n_comp))))
-        key_first = int(positions[-1]) + 1 - keys.shape[1]                     # position of keys[:, 0]
+        block = SCORE_ELEMENTS // max(1, bsz * h * (self.window + n_comp))
+        if selected is not None:
+            block = min(block, SCORE_ELEMENTS // max(1, bsz * n_comp * hd))
+        block = max(1, min(seqlen, block))
+        key_first = start + seqlen - keys.shape[1]                             # position of keys[:, 0]
         out = []
         for s0 in range(0, seqlen, block):
-            pos = positions[s0:s0 + block]
-            lo = max(int(pos[0]) - self.window + 1, key_first) - key_first
-            hi = int(pos[-1]) + 1 - key_first
-            out.append(self._attend_block(q[:, s0:s0 + block], pos, keys[:, lo:hi], key_first + lo, entries,
-                                          None if selected is None else selected[:, s0:s0 + block]))
+            s1 = min(s0 + block, seqlen)
+            lo = max(start + s0 - self.window + 1, key_first) - key_first
+            hi = start + s1 - key_first
+            out.append(self._attend_block(q[:, s0:s1], positions[s0:s1], keys[:, lo:hi], key_first + lo, entries,
+                                          None if selected is None else selected[:, s0:s1]))
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
     def _attend_block(self, q, pos, keys, key_first, entries, selected):
