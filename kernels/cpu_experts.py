@@ -34,6 +34,7 @@ MXFP4_ACT = "int8"                    # the mxfp4 kernel's activations: "int8" (
 _MXFP4_ACTS = {"int8": 0, "fp32": 1}
 MATRICES = ("gate", "up", "down")     # blob order (quant.layout.MATRICES)
 FP8_BLOCK = 128                       # edge of an fp8 scale block (quant.fp8.BLOCK)
+MXFP4_BLOCK = 32                      # weights per mxfp4 scale (quant.mxfp4.BLOCK)
 MAX_GROUPS = 1024                     # groups (int4) or 128-blocks (fp8) per weight row the kernel holds
 
 
@@ -117,7 +118,7 @@ def cpu_experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     often with the same blobs. per_pair False: [T, D], the weighted sum in ascending expert id. per_pair True:
     [T, K, D], the unweighted output of each computed (t, k) pair at its place, zeros elsewhere (the fused GPU
     kernel's external outputs). out: an fp32 buffer of that shape to fill (no allocation). threads: at most this
-    many (0: torch's intra-op setting). limit: clamp the SwiGLU (quant.layout.swiglu_act). act: the mxfp4 kernel's
+    many (0: torch's intra-op setting). limit: clamp the SwiGLU (swiglu_act). act: the mxfp4 kernel's
     activations (default MXFP4_ACT). Returns x.dtype (fp32 when out is given).
     """
     t, k = ids.shape
@@ -190,6 +191,14 @@ def expert_forward_cpu(blob: torch.Tensor, x: torch.Tensor, layout,
 # ----------------------------------------------------------------------------------------------
 # PyTorch twin
 
+def swiglu_act(g: torch.Tensor, u: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(g) * u; with `limit` (DeepSeek-V4's swiglu_limit) silu(min(g, limit)) * clamp(u, -limit, limit). The
+    SwiGLU every expert path computes (quant.layout re-exports it)."""
+    if limit is None:
+        return F.silu(g) * u
+    return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+
+
 def quantize_activation(x: torch.Tensor, group: int) -> torch.Tensor:
     """x [N, K] fp32 -> its int8 grid per group of `group` along K, dequantized: round(x * 127 / amax) * amax / 127
     (the kernel's activation rounding; zero groups stay zero). Padding to whole groups is dropped again."""
@@ -209,9 +218,15 @@ def matrix_weights_ref(fmt: str, weight: torch.Tensor, scale: torch.Tensor | Non
     bf16 rounding), int4 (q - z) * s, int8 q * s (per group along k), mxfp4 e2m1 times 2^(s - 127) (exact)."""
     if fmt == "bf16":
         return weight.float()
-    if fmt == "mxfp4":                                 # weight: the codes, scale: the ue8m0 bytes
-        from ..quant.mxfp4 import mxfp4_dequant
-        return mxfp4_dequant(weight, scale)[:, :k]
+    if fmt == "mxfp4":                                 # weight: codes [n, kp/2], scale: ue8m0 bytes [n, kp/32]
+        b = weight.view(torch.uint8).long()
+        codes = torch.stack((b & 0xF, b >> 4), dim=-1).view(n, -1)         # the low nibble is the even k
+        e, m = (codes >> 1) & 3, (codes & 1).float()                      # e2m1 from its bits: s e1 e0 m
+        mag = torch.where(e == 0, m / 2, torch.ldexp(1 + m / 2, e - 1))
+        w = torch.where(codes >= 8, -mag, mag).view(n, -1, MXFP4_BLOCK)
+        s = scale.view(torch.uint8)
+        s = torch.where(s == 255, torch.nan, torch.ldexp(torch.ones(s.shape), s.long() - 127))
+        return (w * s[..., None]).view(n, -1)[:, :k]
     if fmt == "fp8":                                   # scale [ceil(n/128), ceil(k/128)] -> per element
         s = scale.repeat_interleave(FP8_BLOCK, dim=0)[:n].repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
         return weight.float() * s
@@ -242,8 +257,6 @@ def expert_weights_ref(blob: torch.Tensor, layout) -> tuple[torch.Tensor, torch.
 def expert_ref(blob: torch.Tensor, xs: torch.Tensor, layout, limit: float | None = None,
                act: str | None = None) -> torch.Tensor:
     """One expert on xs [N, D] fp32, as the kernel computes it (limit, act: see cpu_experts_forward)."""
-    from ..quant.layout import swiglu_act
-
     gate, up, down = expert_weights_ref(blob, layout)
     quantized = layout.format in ("int4", "int8") or (layout.format == "mxfp4" and (act or MXFP4_ACT) == "int8")
     prep = (lambda v: quantize_activation(v, layout.group_size)) if quantized else (lambda v: v)

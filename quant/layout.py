@@ -13,6 +13,8 @@ from math import prod
 import torch
 import torch.nn.functional as F
 
+from ..kernels.cpu_experts import swiglu_act     # the SwiGLU (clamped with a limit), defined with the kernels' twin
+
 ALIGN = 256                        # bytes; component offsets and blob sizes are multiples of this
 MATRICES = ("gate", "up", "down")  # blob order; names of components are f"{matrix}.{part}"
 
@@ -126,13 +128,6 @@ class BlobLayout:
             end = c.offset + c.nbytes
         if end > self.blob_bytes:
             raise ValueError(f"components end at byte {end}, past blob_bytes {self.blob_bytes}")
-
-
-def swiglu_act(g: torch.Tensor, u: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """silu(g) * u; with `limit` (DeepSeek-V4's swiglu_limit) silu(min(g, limit)) * clamp(u, -limit, limit)."""
-    if limit is None:
-        return F.silu(g) * u
-    return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
 
 
 def swiglu_ref(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,

@@ -50,6 +50,17 @@ def test_ue8m0_every_byte():
         ue8m0_encode(torch.tensor([3.0]))
 
 
+def test_twin_decodes_every_code_and_scale_byte_as_the_format():
+    """The kernel's twin decodes e2m1 from its bit fields, the format from its table: equal for every code byte
+    under every scale byte (NaN where the scale is 0xFF)."""
+    codes = ALL_BYTES[None].repeat(256, 1)                    # row s: all 256 code bytes, 512 weights
+    scales = ALL_BYTES[:, None].repeat(1, 16)                 # row s: scale byte s
+    twin = cpu_experts.matrix_weights_ref("mxfp4", codes, scales, None, 256, 512, 32)
+    fmt = mxfp4_dequant(codes, scales)
+    assert torch.equal(torch.isnan(twin), torch.isnan(fmt)) and torch.isnan(fmt[255]).all()
+    assert torch.equal(twin[:255], fmt[:255])
+
+
 def test_mxfp4_scale_applies_per_32_along_k():
     codes = torch.randint(0, 256, (3, 64), dtype=torch.uint8, generator=gen())
     scales = torch.randint(100, 150, (3, 4), dtype=torch.uint8, generator=gen(4))

@@ -9,7 +9,8 @@ A compressor's state is the fp32 (Cv, G = Cz + ape) of the most recent tokens, i
 every token the state after any accepted length needs is still there: the partial window, the previous window
 (CSA) and MAX_DRAFT_TOKENS more. The whole cache is therefore a function of `length`: `truncate(length)` (a
 speculative rollback, or 0) sets the length, and writes made after it are simply overwritten. The attention
-modules (attention.py) call the kind-specific reads and writes; the pooling math lives there.
+modules (attention.py) call the kind-specific reads and writes; the pooling math lives there. `args` below is a
+V4Args (config.py, which reads the planner's sizes from here).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import math
 import torch
 
 from ..limits import MAX_DRAFT_TOKENS
-from .config import CSA, HCA, SLIDING, V4Args
+from .kinds import CSA, HCA, SLIDING
 
 KV_BYTES = 2                 # planner bytes per cached kv / entry / key value (bf16)
 STATE_BYTES = 4              # compressor state values are fp32
@@ -90,7 +91,7 @@ class SlidingCache:
     """A sliding-window block's cache (the MTP block's too): the window ring alone."""
     kind = SLIDING
 
-    def __init__(self, args: V4Args, layer_id: int, capacity: int, batch: int = 1, device=None,
+    def __init__(self, args, layer_id: int, capacity: int, batch: int = 1, device=None,
                  dtype: torch.dtype = torch.float32):
         self.args, self.layer_id, self.capacity = args, layer_id, capacity
         self.window = WindowRing(batch, self.window_slots(args), args.head_dim, device, dtype)
@@ -100,7 +101,7 @@ class SlidingCache:
         self.write_end = 0
 
     @staticmethod
-    def window_slots(args: V4Args) -> int:
+    def window_slots(args) -> int:
         return args.sliding_window + MAX_DRAFT_TOKENS
 
     def begin_write(self, start: int, n: int) -> None:
@@ -129,11 +130,11 @@ class SlidingCache:
             self.write_start = self.write_end = 0
 
     @classmethod
-    def bytes_per_token(cls, args: V4Args) -> int:
+    def bytes_per_token(cls, args) -> int:
         return 0
 
     @classmethod
-    def fixed_bytes(cls, args: V4Args) -> int:
+    def fixed_bytes(cls, args) -> int:
         return cls.window_slots(args) * args.head_dim * KV_BYTES
 
 
@@ -141,18 +142,18 @@ class HCACache(SlidingCache):
     """An HCA block's cache: the window ring plus its compressor's entries and state."""
     kind = HCA
 
-    def __init__(self, args: V4Args, layer_id: int, capacity: int, batch: int = 1, device=None,
+    def __init__(self, args, layer_id: int, capacity: int, batch: int = 1, device=None,
                  dtype: torch.dtype = torch.float32):
         super().__init__(args, layer_id, capacity, batch, device, dtype)
         self.compressors["compressor"] = CompressorState(args.compress_rate_hca, False, args.head_dim,
                                                          args.head_dim, batch, capacity, device, dtype)
 
     @classmethod
-    def bytes_per_token(cls, args: V4Args) -> int:
+    def bytes_per_token(cls, args) -> int:
         return math.ceil(args.head_dim * KV_BYTES / args.compress_rate_hca)
 
     @classmethod
-    def fixed_bytes(cls, args: V4Args) -> int:
+    def fixed_bytes(cls, args) -> int:
         state = CompressorState.history_slots(args.compress_rate_hca, False) * args.head_dim * 2 * STATE_BYTES
         return super().fixed_bytes(args) + state
 
@@ -162,7 +163,7 @@ class CSACache(SlidingCache):
     indexer's keys and their compressor's state."""
     kind = CSA
 
-    def __init__(self, args: V4Args, layer_id: int, capacity: int, batch: int = 1, device=None,
+    def __init__(self, args, layer_id: int, capacity: int, batch: int = 1, device=None,
                  dtype: torch.dtype = torch.float32):
         super().__init__(args, layer_id, capacity, batch, device, dtype)
         m = args.compress_rate_csa
@@ -172,11 +173,11 @@ class CSACache(SlidingCache):
                                                       capacity, device, dtype)
 
     @classmethod
-    def bytes_per_token(cls, args: V4Args) -> int:
+    def bytes_per_token(cls, args) -> int:
         return math.ceil((args.head_dim + args.index_head_dim) * KV_BYTES / args.compress_rate_csa)
 
     @classmethod
-    def fixed_bytes(cls, args: V4Args) -> int:
+    def fixed_bytes(cls, args) -> int:
         slots = CompressorState.history_slots(args.compress_rate_csa, True)
         state = slots * 2 * (args.head_dim + args.index_head_dim) * 2 * STATE_BYTES
         return super().fixed_bytes(args) + state
@@ -208,7 +209,7 @@ class ModelCache:
             layer.truncate(min(length, layer.length))
 
 
-def new_cache(args: V4Args, capacity: int, with_mtp: bool, batch: int = 1, device=None,
+def new_cache(args, capacity: int, with_mtp: bool, batch: int = 1, device=None,
               dtype: torch.dtype = torch.float32) -> ModelCache:
     """A ModelCache for the main blocks (and the MTP block) of a network of `args`."""
     blocks = range(args.num_hidden_layers + int(with_mtp))

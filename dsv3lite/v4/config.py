@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from ..errors import UserError
+from .kinds import ATTN_KINDS, CSA, HCA, SLIDING
 
-SLIDING, CSA, HCA = "sliding", "csa", "hca"        # attention kinds (§1.2)
-ATTN_KINDS = (SLIDING, CSA, HCA)
 _RATIO_KINDS = {0: SLIDING, 4: CSA, 128: HCA}     # official compress_ratios entries
 _TYPE_KINDS = {"sliding_attention": SLIDING, "compressed_sparse_attention": CSA,
                "heavily_compressed_attention": HCA}  # transformers' layer_types / compress_rates keys
