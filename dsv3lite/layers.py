@@ -26,6 +26,14 @@ def inference_views(owner: nn.Module, tensors: tuple[torch.Tensor, ...], build):
     return cached[1]
 
 
+def swiglu_act(g: torch.Tensor, u: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(g) * u; with `limit` (DeepSeek-V4's swiglu_limit) silu(min(g, limit)) * clamp(u, -limit, limit). The
+    SwiGLU every expert path computes (the kernels' twins and quant.layout's reference included)."""
+    if limit is None:
+        return F.silu(g) * u
+    return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+
+
 class Linear(nn.Linear):
     """A bias-free nn.Linear whose inference forward is the product linear() reduces to, x @ W^T (matmul, or mm for
     2-D x: the same kernel on the same operands, so the same bits), with W^T kept between calls: a decode step is

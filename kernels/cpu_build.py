@@ -97,6 +97,9 @@ def _build(compiler: str, source: bytes, out: Path) -> None:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_moe.restype = _c_int
     lib.dsv3_moe.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int, _c_int]
+    lib.dsv3_moe_mxfp4.restype = _c_int
+    lib.dsv3_moe_mxfp4.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int,
+                                   _c_int, ctypes.c_float, _c_int]
     lib.dsv3_linear.restype = _c_int
     lib.dsv3_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int]
     lib.dsv3_attention.restype = _c_int

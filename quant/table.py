@@ -31,6 +31,7 @@ FORMAT_TABLE: dict[str, FormatEntry] = {
     "int8": FormatEntry("int8", "Int8Format", cpu=3, parts=("weight", "scale", None), weight_dtype="int8",
                         scale_dtype="float32"),
     "nf4": FormatEntry("nf4", "Nf4Format"),
+    "mxfp4": FormatEntry("mxfp4", "Mxfp4Format", cpu=5, parts=("codes", "scales", None), scale_dtype="uint8"),
 }
 
 # codes that are not expert formats
