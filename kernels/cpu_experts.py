@@ -5,15 +5,16 @@
 `cpu_experts_forward` runs the compiled kernel (kernels/csrc/cpu_kernels.cpp, built by cpu_build) or, where there
 is none, its twin `cpu_experts_ref`; both compute the same math, which differs from dequantize-then-matmul
 (`ExpertFormat.expert_forward_ref`) in two ways chosen for speed:
-- int4 and int8: activations (x, and h = silu(gate x) * up x) are quantized to int8 per weight group (symmetric,
-  scale amax / 127, round half to even) and multiplied with the codes in integers: s * xs * (sum q xq - z sum xq)
-  (int8 weights have no zero point);
+- int4, int4g32 and int8: activations (x, and h = silu(gate x) * up x) are quantized to int8 per weight group
+  (symmetric, scale amax / 127, round half to even) and multiplied with the codes in integers:
+  s * xs * (sum q xq - z sum xq) (int4g32's z is 8, its offset; int8 weights have no zero point); int4g32's codes
+  times their bf16 scale are not rounded to bf16 as its dequantization does (the product in fp32);
 - fp8: each 128x128 block's scale multiplies the block's partial dot in fp32 instead of each weight being
   rounded to bf16 after scaling (bf16(fp32(q) * s)): the weights differ by at most 2^-9 relative.
 bf16 weights are used as they are. Each token's result is computed the same way whatever else is in the call
 (decode, MTP verification, prefill), in fp32, and the weighted sum adds each product in ascending expert id.
-Formats: bf16, fp8, int8, int4 (group 64 or 128, or 32 with an even number of groups per row); nf4 stays on
-bitsandbytes.
+Formats: bf16, fp8, int8, int4 (group 64 or 128, or 32 with an even number of groups per row), int4g32; nf4 stays
+on bitsandbytes.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from ..quant.table import CPU_F32, FORMAT_TABLE
 MATRICES = ("gate", "up", "down")     # blob order (quant.layout.MATRICES)
 FP8_BLOCK = 128                       # edge of an fp8 scale block (quant.fp8.BLOCK)
 MAX_GROUPS = 1024                     # groups (int4) or 128-blocks (fp8) per weight row the kernel holds
+INT8_ACTIVATIONS = ("int4", "int8", "int4g32")   # formats whose kernels quantize activations to int8 per group
 
 
 def supports(layout) -> bool:
@@ -190,7 +192,7 @@ def quantize_activation(x: torch.Tensor, group: int) -> torch.Tensor:
 def matrix_weights_ref(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
                        n: int, k: int, group: int | None) -> torch.Tensor:
     """One packed matrix [n, k] in fp32 as the kernels apply it: bf16 as is, fp8 codes times their block scale (no
-    bf16 rounding), int4 (q - z) * s, int8 q * s (per group along k)."""
+    bf16 rounding), int4 (q - z) * s, int4g32 q * s (no bf16 rounding), int8 q * s (per group along k)."""
     if fmt == "bf16":
         return weight.float()
     if fmt == "fp8":                                   # scale [ceil(n/128), ceil(k/128)] -> per element
@@ -200,6 +202,10 @@ def matrix_weights_ref(fmt: str, weight: torch.Tensor, scale: torch.Tensor | Non
         b = weight.view(n, -1, group // 2)             # byte i of a group: element i low, i + g/2 high
         q = torch.cat([b & 0xF, b >> 4], dim=-1).float()
         return ((q - zero.float().unsqueeze(-1)) * scale.float().unsqueeze(-1)).view(n, -1)[:, :k]
+    if fmt == "int4g32":                               # byte b: k = 2b low, 2b + 1 high, each q + 8
+        b = weight.view(n, -1)
+        q = torch.stack((b & 0xF, b >> 4), dim=-1).view(n, -1).float() - 8
+        return (q.view(n, -1, group) * scale.float().unsqueeze(-1)).view(n, -1)[:, :k]
     if fmt == "int8":                                  # codes as int8 (or their uint8 bytes, as blobs hold them)
         return (weight.view(torch.int8).float().view(n, -1, group) * scale.float().unsqueeze(-1)).view(n, -1)[:, :k]
     raise ValueError(f"no CPU kernel for {fmt} weights")
@@ -220,7 +226,7 @@ def expert_weights_ref(blob: torch.Tensor, layout) -> tuple[torch.Tensor, torch.
 def expert_ref(blob: torch.Tensor, xs: torch.Tensor, layout) -> torch.Tensor:
     """One expert on xs [N, D] fp32, as the kernel computes it."""
     gate, up, down = expert_weights_ref(blob, layout)
-    act = (lambda v: quantize_activation(v, layout.group_size)) if layout.format in ("int4", "int8") else (lambda v: v)
+    act = (lambda v: quantize_activation(v, layout.group_size)) if layout.format in INT8_ACTIVATIONS else (lambda v: v)
     xq = act(xs)
     h = F.silu(F.linear(xq, gate)) * F.linear(xq, up)
     return F.linear(act(h), down)
