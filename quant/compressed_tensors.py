@@ -28,7 +28,8 @@ _WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"
 _DENSE_LINEARS = tuple(f"model.layers.1.self_attn.{p}" for p in
                        ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")) + \
     tuple(f"model.layers.{m}.{p}_proj" for m in ("0.mlp", "1.mlp.shared_experts") for p in ("gate", "up", "down")) + \
-    ("model.layers.1.eh_proj", "lm_head")
+    ("lm_head",)
+_MTP_LINEARS = ("model.layers.1.eh_proj",)
 _EXPERT_LINEARS = tuple(f"model.layers.1.mlp.experts.0.{p}_proj" for p in ("gate", "up", "down"))
 
 
@@ -54,12 +55,13 @@ def _matches(name: str, patterns) -> bool:
                for p in patterns)
 
 
-def expert_format(quant: dict, text_prefix: str = "") -> str:
+def expert_format(quant: dict, text_prefix: str = "", mtp: bool = False) -> str:
     """The expert format of a compressed-tensors `quantization_config` ("int4g32"), or UserError (one line) for
     what dsv3lite does not serve: another format or bit width, asymmetric or non-group weights, another group
     size, activation or KV-cache quantization, activation-ordered groups, a checkpoint not in its compressed form,
     or a Linear other than the routed experts quantized (its `ignore` list decides). text_prefix: the language
-    model's name prefix in a multimodal checkpoint (Kimi-K2.5: "language_model.")."""
+    model's name prefix in a multimodal checkpoint (Kimi-K2.5: "language_model."); mtp: the model declares an MTP
+    layer (whose eh_proj must stay BF16 too)."""
     status = quant.get("quantization_status", "compressed")
     if status != "compressed":
         raise _refuse(f"quantization_status {status!r} (the weights are not stored packed)")
@@ -102,7 +104,52 @@ def expert_format(quant: dict, text_prefix: str = "") -> str:
     if not all(experts):
         raise _refuse("quantizes none of the routed experts" if not any(experts) else
                       "quantizes only some of a routed expert's matrices")
-    dense = next((n for n in _DENSE_LINEARS if quantized(n)), None)
+    dense = next((n for n in _DENSE_LINEARS + (_MTP_LINEARS if mtp else ()) if quantized(n)), None)
     if dense is not None:
         raise _refuse(f"{text_prefix}{dense} is quantized too (its ignore list does not name it)")
     return SERVED_FORMAT
+
+
+def _check_parts(name: str, shape, packed: tuple, scale: tuple, stored_shape) -> None:
+    """One line on a packed weight whose tensors do not hold an int4 group-32 matrix of `shape` (N, K):
+    packed/scale: (dtype name, shape) of weight_packed / weight_scale; stored_shape: weight_shape's values or None."""
+    n, k = shape
+    if k % GROUP:
+        raise UserError(f"{name}: {k} input features are not a multiple of the int4 group size {GROUP}")
+    if stored_shape is not None and list(stored_shape) != [n, k]:
+        raise UserError(f"{name}'s {SHAPE} is {list(stored_shape)}, expected {[n, k]} from config.json")
+    if packed != ("I32", (n, k // 8)):
+        raise UserError(f"{name}'s {PACKED} is {packed[0]} {list(packed[1])}, expected I32 {[n, k // 8]} (4-bit codes "
+                        f"of a {n}x{k} weight)")
+    if scale != ("BF16", (n, k // GROUP)):
+        raise UserError(f"{name}'s {SCALE} is {scale[0]} {list(scale[1])}, expected BF16 {[n, k // GROUP]} (one "
+                        f"bf16 scale per {GROUP} weights)")
+
+
+def packed_entry_bytes(meta: dict, name: str, shape) -> int | None:
+    """Bytes of weight `name` stored packed, its header entries (`meta`: name -> {dtype, shape}) checked against
+    `shape`; None when it is not stored packed."""
+    packed, scale, stored = packed_names(name)
+    if packed not in meta:
+        return None
+    p, s = meta[packed], meta.get(scale)
+    if s is None:
+        raise UserError(f"packed weight {packed} has no {scale}")
+    _check_parts(name, shape, (p["dtype"], tuple(p["shape"])), (s["dtype"], tuple(s["shape"])), None)
+    return (shape[0] * shape[1]) // 2 + 2 * (shape[0] * shape[1]) // GROUP
+
+
+def read_packed(reader, name: str, shape, scratch=None):
+    """(weight_packed int32 [N, K/8], weight_scale bf16 [N, K/32]) of weight `name` when the checkpoint stores it
+    packed, checked against `shape` (N, K) and its weight_shape; None when it does not. reader: an
+    hf_checkpoint.TensorReader; scratch: as its `get` takes it (a key of this thread's reused buffers)."""
+    packed, scale, stored = packed_names(name)
+    if reader.has(name) or not reader.has(packed):
+        return None
+    w = reader.get(packed, scratch)
+    s = reader.get(scale, None if scratch is None else (scratch, SCALE))
+    stored_shape = reader.get(stored).tolist() if reader.has(stored) else None
+    dtypes = {"torch.int32": "I32", "torch.bfloat16": "BF16"}
+    _check_parts(name, shape, (dtypes.get(str(w.dtype), str(w.dtype)), tuple(w.shape)),
+                 (dtypes.get(str(s.dtype), str(s.dtype)), tuple(s.shape)), stored_shape)
+    return w, s

@@ -67,7 +67,7 @@ class Int4G32Format(ExpertFormat):
 
     @property
     def label(self) -> str:
-        return "int4g32 (symmetric int4, group 32, bf16 scales)"
+        return "int4g32 (symmetric, bf16 scales)"
 
     def _parts(self, n: int, k: int):
         kp = padded_k(k)
