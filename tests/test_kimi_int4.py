@@ -79,6 +79,14 @@ def test_format_packs_and_unpacks_as_compressed_tensors():
         assert torch.equal(got, ct_unpack(c["weight_packed"], c["weight_scale"], list(w.shape)))
 
 
+def test_a_kimi_expert_blob_holds_its_released_bytes():
+    n = 2048 * 7168                              # Kimi-K2's routed expert: gate/up 2048x7168, down 7168x2048
+    layout = get_format("int4g32").layout(2048, 7168)
+    assert layout.blob_bytes == 3 * (n // 2 + 2 * n // 32)           # codes and bf16 scales, nothing else
+    assert layout.components["down.scales"].shape == (7168, 64)
+    assert layout.components["gate.qweight"].shape == (2048, 3584)
+
+
 def test_released_experts_are_repacked_bit_exactly(k2_dir):
     """Every routed expert of the checkpoint, as the runtime gets it (quantize's per-expert code): the released words
     and scales byte for byte, decoding to what compressed-tensors unpacks."""
