@@ -100,7 +100,8 @@ def main() -> int:
           f"embeddings and routers stay as they are), the latent KV cache for {CTX} tokens and the prefill workspace "
           f"(`dsv3lite plan` prints it); every byte of --gpu-mem above it, less the 1.5 GiB kept for the CUDA "
           f"context, holds expert slots. CPU-only: the expert blobs plus the non-expert weights packed to int8, "
-          f"fp32 activations and KV.")
+          f"fp32 activations and KV. Kimi-K2-Thinking / K2.5: their routed experts as released (int4g32: 4-bit codes "
+          f"and a bf16 scale per 32 weights), served without re-quantizing.")
     return 0
 
 
