@@ -13,8 +13,8 @@ from pathlib import Path
 from .testing import (KIMI_CHAT_TEMPLATE, KIMI_TOKENS, _KIMI_TEXT, _split_expert_tensors, hf_model,
                       write_kimi_k25_checkpoint, write_tokenizer)
 
-# the quantization_config Kimi-K2-Thinking's config.json declares (Kimi-K2.5: inside text_config, its ignore list
-# naming the vision tower and projector too)
+# the quantization_config Kimi-K2-Thinking's config.json declares; for Kimi-K2.5 (inside text_config) the same
+# scheme with an ignore list of regular expressions that also names the vision tower and projector
 KIMI_INT4_QUANT = {
     "config_groups": {"group_0": {
         "input_activations": None, "output_activations": None, "targets": ["Linear"],

@@ -449,11 +449,12 @@ __attribute__((always_inline)) inline void int4g32_pair(const uint8_t* qw, int64
   }
 }
 
-// one row: qw [K/2] bytes, s16 its bf16 scales [groups]
+// one row: qw [K/2] bytes, s16 its bf16 scales [groups]. Two accumulators per token, taking alternate pairs of
+// groups: one multiply-add chain per token would wait on its own latency every 32 bytes.
 template <int NT>
 void row_int4g32(const uint8_t* qw, const uint16_t* s16, int64_t groups, const Act* a, float* out) {
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  __m256 acc[NT], acc2[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = acc2[t] = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= groups; g += 8) {               // 8 groups: their scales widened once, spread by permutes
     prefetch(qw + g * 16);
@@ -463,7 +464,7 @@ void row_int4g32(const uint8_t* qw, const uint16_t* s16, int64_t groups, const A
         _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + g))), 16));
     for (int p = 0; p < 4; ++p) {
       const __m256i spread = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
-      int4g32_pair<NT>(qw, g + 2 * p, _mm256_permutevar8x32_ps(s8, spread), a, acc);
+      int4g32_pair<NT>(qw, g + 2 * p, _mm256_permutevar8x32_ps(s8, spread), a, p & 1 ? acc2 : acc);
     }
   }
   for (; g + 2 <= groups; g += 2)
@@ -484,7 +485,7 @@ void row_int4g32(const uint8_t* qw, const uint16_t* s16, int64_t groups, const A
       acc[t] = _mm256_add_ps(acc[t], _mm256_set_m128(_mm_setzero_ps(), part));
     }
   }
-  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
+  for (int t = 0; t < NT; ++t) out[t] = hsum(_mm256_add_ps(acc[t], acc2[t]));
 }
 
 // ---- a weight matrix (one expert matrix, or a dense linear) ----------------------------------------------
