@@ -17,6 +17,8 @@ from .errors import UserError
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "deepseek_v2")
 # multimodal checkpoints whose language model is a text_config of one of the types above
 _TEXT_CONFIG_TYPES = {"kimi_k25": ("kimi_k2", "deepseek_v3")}
+# ... and whose checkpoint holds the language model's tensors under this prefix (the other towers' are not run)
+TEXT_MODEL_PREFIX = "language_model."
 
 # Per-family defaults for fields a config.json may leave out (the values transformers' config classes use).
 _FAMILY_DEFAULTS = {
@@ -199,7 +201,6 @@ class ModelArgs:
         kw.update(_rope_fields(cfg))
         quant = cfg.get("quantization_config") or {}
         if quant.get("quant_method") == "compressed-tensors":      # Kimi-K2-Thinking / K2.5's int4 experts
-            from .hf_checkpoint import TEXT_MODEL_PREFIX
             from .quant.compressed_tensors import expert_format
 
             kw["released_experts"] = expert_format(quant, TEXT_MODEL_PREFIX if model_type in _TEXT_CONFIG_TYPES else "",

@@ -149,18 +149,7 @@ def _dot_step(acc, it, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, z_ptr, s_o
                     w_lo = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
                     bits = w_hi.to(tl.uint32, bitcast=True)
                     w_hi = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
-            w_lo = w_lo.to(x_lo.dtype)
-            w_hi = w_hi.to(x_lo.dtype)
-            if UPCAST or not USE_DOT:
-                x_lo = x_lo.to(tl.float32)
-                x_hi = x_hi.to(tl.float32)
-                w_lo = w_lo.to(tl.float32)
-                w_hi = w_hi.to(tl.float32)
-            if USE_DOT:
-                acc += tl.dot(x_lo, w_lo, input_precision=PRECISION)
-                acc += tl.dot(x_hi, w_hi, input_precision=PRECISION)
-            else:
-                acc += x_lo[:, :, None] * w_lo[None, :, :] + x_hi[:, :, None] * w_hi[None, :, :]
+            acc = _add_halves(acc, x_lo, x_hi, w_lo.to(x_lo.dtype), w_hi.to(x_lo.dtype), USE_DOT, UPCAST, PRECISION)
     elif FMT == 4:   # int4g32
         acc = _int4g32_step(acc, it, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, s_off, n_ok,
                             BLOCK_K, USE_DOT, UPCAST, PRECISION)
@@ -196,7 +185,8 @@ def _int4g32_step(acc, it, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, s_off,
                   BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     # _dot_step for int4g32 (quant/int4g32.py), a group of 32 at a time: its 16 bytes [16, BLOCK_N] hold k = 2b in
     # byte b's low nibble and 2b + 1 in its high one, each q + 8, so x is read as its even and its odd elements;
-    # w = bf16((q - 8) * s) with the group's bf16 scale (the format's one rounding), then x's dtype
+    # w = bf16((q - 8) * s) with the group's bf16 scale, then x's dtype (_cast rounds to nearest even in the
+    # interpreter too, whose own fp32 -> bf16 truncates)
     for sub in tl.static_range(BLOCK_K // 32):
         grp = it * (BLOCK_K // 32) + sub
         pair = tl.arange(0, 16)
@@ -211,28 +201,26 @@ def _int4g32_step(acc, it, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, s_off,
                        other=0.0)
         x_hi = tl.load(x_ptr + (x_off[:, None] + k_hi[None, :]), mask=x_ok[:, None] & (k_hi < k_in)[None, :],
                        other=0.0)
-        w_lo = ((q & 0xF).to(tl.float32) - 8.0) * s
-        w_hi = ((q >> 4).to(tl.float32) - 8.0) * s
-        if UPCAST:   # the interpreter truncates fp32 -> bf16: round on the bits, keep the (exact) fp32 values
-            bits = w_lo.to(tl.uint32, bitcast=True)
-            w_lo = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
-            bits = w_hi.to(tl.uint32, bitcast=True)
-            w_hi = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
-        else:
-            w_lo = w_lo.to(tl.bfloat16)
-            w_hi = w_hi.to(tl.bfloat16)
-        w_lo = w_lo.to(x_lo.dtype)
-        w_hi = w_hi.to(x_lo.dtype)
-        if UPCAST or not USE_DOT:
-            x_lo = x_lo.to(tl.float32)
-            x_hi = x_hi.to(tl.float32)
-            w_lo = w_lo.to(tl.float32)
-            w_hi = w_hi.to(tl.float32)
-        if USE_DOT:
-            acc += tl.dot(x_lo, w_lo, input_precision=PRECISION)
-            acc += tl.dot(x_hi, w_hi, input_precision=PRECISION)
-        else:
-            acc += x_lo[:, :, None] * w_lo[None, :, :] + x_hi[:, :, None] * w_hi[None, :, :]
+        w_lo = _cast(((q & 0xF).to(tl.float32) - 8.0) * s, tl.bfloat16, UPCAST)   # the format's one rounding
+        w_hi = _cast(((q >> 4).to(tl.float32) - 8.0) * s, tl.bfloat16, UPCAST)
+        acc = _add_halves(acc, x_lo, x_hi, w_lo.to(x_lo.dtype), w_hi.to(x_lo.dtype), USE_DOT, UPCAST, PRECISION)
+    return acc
+
+
+@_jit
+def _add_halves(acc, x_lo, x_hi, w_lo, w_hi, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # acc += x_lo (x) w_lo + x_hi (x) w_hi for a group read as two halves of k: x [BLOCK_M, h], w [h, BLOCK_N] in
+    # x's dtype; tl.dot on tensor cores, or fp32 multiply-adds into acc [BLOCK_M, h, BLOCK_N]
+    if UPCAST or not USE_DOT:
+        x_lo = x_lo.to(tl.float32)
+        x_hi = x_hi.to(tl.float32)
+        w_lo = w_lo.to(tl.float32)
+        w_hi = w_hi.to(tl.float32)
+    if USE_DOT:
+        acc += tl.dot(x_lo, w_lo, input_precision=PRECISION)
+        acc += tl.dot(x_hi, w_hi, input_precision=PRECISION)
+    else:
+        acc += x_lo[:, :, None] * w_lo[None, :, :] + x_hi[:, :, None] * w_hi[None, :, :]
     return acc
 
 

@@ -223,7 +223,8 @@ def test_damaged_released_tensors_are_one_line(k2_dir, tmp_path, damage, needle)
 def test_offloaded_generation_equals_resident_and_the_expert_cache_is_a_repack(k2_dir):
     from dsv3lite import expert_cache_dir
     from dsv3lite.experts import expert_source
-    from dsv3lite.quant.checkpoint import open_layer_blobs, read_manifest
+    from dsv3lite.hf_checkpoint import CheckpointIndex
+    from dsv3lite.quant.checkpoint import open_layer_blobs, read_manifest, source_hash
     from dsv3lite.testing import offload_budget
 
     resident = greedy(dsv3lite.load(k2_dir, **QUIET))
@@ -234,7 +235,9 @@ def test_offloaded_generation_equals_resident_and_the_expert_cache_is_a_repack(k
         s = llm.stats()["expert_cache"]
         assert s["demand_misses"] > 0 and (s["cpu_experts"] > 0) == (miss == "cpu")
     args = ModelArgs.from_dir(k2_dir)
-    entry = next(e for e in expert_cache_dir.entries() if e.format == "int4g32")
+    digest = source_hash(k2_dir, CheckpointIndex.open(k2_dir))
+    entry = next(e for e in expert_cache_dir.entries() if e.source_hash == digest)
+    assert entry.format == "int4g32"
     source = expert_source(k2_dir, args, None, blobs_required=True)
     for layer in args.moe_layer_ids:
         assert torch.equal(open_layer_blobs(entry.path, read_manifest(entry.path), layer), source.layer_blobs(layer))
