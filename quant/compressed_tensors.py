@@ -39,11 +39,6 @@ def packed_names(weight_name: str) -> tuple[str, str, str]:
     return stem + PACKED, stem + SCALE, stem + SHAPE
 
 
-def is_part_name(name: str) -> bool:
-    """Whether a checkpoint name is one of a packed weight's tensors (read with its weight, never placed alone)."""
-    return name.endswith((PACKED, SCALE, SHAPE))
-
-
 def _refuse(what: str) -> UserError:
     return UserError(f"{QUANT_METHOD} checkpoint: {what}; dsv3lite serves pack-quantized symmetric int4 routed "
                      f"experts with group {GROUP} (Kimi-K2-Thinking / K2.5 as released) and the rest in BF16")
@@ -100,7 +95,10 @@ def expert_format(quant: dict, text_prefix: str = "", mtp: bool = False) -> str:
         names = {bare, text_prefix + bare}
         return any(_matches(n, targets) for n in names) and not any(_matches(n, ignore) for n in names)
 
-    experts = [quantized(n) for n in _EXPERT_LINEARS]
+    try:
+        experts = [quantized(n) for n in _EXPERT_LINEARS]
+    except re.error as e:
+        raise _refuse(f"a target or ignore pattern is not a regular expression ({e})") from None
     if not all(experts):
         raise _refuse("quantizes none of the routed experts" if not any(experts) else
                       "quantizes only some of a routed expert's matrices")

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .compressed_tensors import GROUP
 from .layout import MATRICES, BlobLayout, ExpertFormat
 
-GROUP = 32
 OFFSET = 8                    # stored nibble = q + 8
 QMIN, QMAX = -8, 7
 

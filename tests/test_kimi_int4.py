@@ -186,6 +186,7 @@ def _top(**kw):
     (lambda: _top(ignore=["re:.*"]), "none of the routed experts"),
     (lambda: _top(ignore=_top()["ignore"] + ["re:.*down_proj"]), "only some"),
     (lambda: _top(config_groups={}), "no config_groups"),
+    (lambda: _top(ignore=["re:(unclosed"]), "not a regular expression"),
 ])
 def test_config_refuses_what_is_not_served_in_one_line(k2_dir, quant, needle):
     cfg = json.loads((k2_dir / "config.json").read_text())
