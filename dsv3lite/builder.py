@@ -51,7 +51,7 @@ def resident_experts(source, args: ModelArgs, experts: str | None, kernel: str |
     cpu_mem (--cpu-mem, bytes, CPU): bounds the mapped blobs' resident pages; blobs packed in memory must fit it."""
     from .experts import BlobExperts
 
-    if source is not None and not source.mapped and experts is None and kernel is None:
+    if source is not None and not source.mapped and experts is None and kernel is None and not source.released:
         source = None                             # an HF checkpoint nothing asks to pack: its dense experts
     if source is None:
         if cpu_mem is not None:
@@ -62,6 +62,8 @@ def resident_experts(source, args: ModelArgs, experts: str | None, kernel: str |
     cap = resident_cap(source, args, device, cpu_mem, log)
     if kernel and not source.mapped:
         log(f"routed experts as {source.fmt.name} blobs for {kernel} (--experts int4 | fp8 to quantize)")
+    elif source.released:
+        log(f"repacking the checkpoint's {source.fmt.name} routed experts into blobs at load (as released)")
     elif not source.mapped:
         log(f"quantizing routed experts to {source.fmt.name} at load")
     return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout, cap)

@@ -102,6 +102,10 @@ class Loader:
                 self.log(note)
         with torch.device("meta"):
             model = self.build(args, with_mtp)
+        if expert_provider is None and getattr(args, "released_experts", None):   # no dense form: as stored
+            from .experts import released_provider
+
+            expert_provider = released_provider(self.root, args, self.device)
         self.external_experts = expert_provider is not None
         if expert_provider is not None:
             for moe in model.moe_modules():

@@ -39,8 +39,10 @@ from ..errors import UserError
 from ..hf_checkpoint import (FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader, check_fp8_scale,
                              expert_tensor_name, map_name, mtp_status)
 from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits
+from .compressed_tensors import packed_entry_bytes, read_packed
 from .formats import format_for_layout, get_format
 from .fp8 import fp8_block_dequant
+from .int4g32 import Int4G32Format, int4g32_dequant
 from .layout import MATRICES, BlobLayout, ExpertFormat
 from .tensorfile import DTYPES, TensorFileWriter, entry_nbytes, read_header, tensor_spans
 
@@ -72,18 +74,29 @@ def _natural_key(name: str):
 # ---- packing experts from the source (read one tensor at a time by hf_checkpoint.TensorReader) ----------------
 
 def read_expert(reader: TensorReader, layer_id: int, expert: int, layout: BlobLayout, reuse: bool = False):
-    """(weight, FP8 scale_inv or None) of gate, up and down of one routed expert, shapes checked. reuse: read into
-    this thread's scratch buffers (valid until its next read_expert with reuse)."""
-    return [reader.weight(expert_tensor_name(layer_id, expert, p), layout.matrix_shape(m),
-                          scratch=("expert", p) if reuse else None)
-            for p, m in zip(PROJECTIONS, MATRICES)]
+    """(weight, scale) of gate, up and down of one routed expert, shapes checked: a float weight and None, an FP8
+    weight and its scale_inv, or compressed-tensors' int4 words (int32) and bf16 scales (Kimi-K2-Thinking / K2.5).
+    reuse: read into this thread's scratch buffers (valid until its next read_expert with reuse)."""
+    out = []
+    for p, m in zip(PROJECTIONS, MATRICES):
+        name, shape, scratch = expert_tensor_name(layer_id, expert, p), layout.matrix_shape(m), \
+            ("expert", p) if reuse else None
+        out.append(read_packed(reader, name, shape, scratch) or reader.weight(name, shape, scratch=scratch))
+    return out
 
 
 def pack_weights(weights, fmt: ExpertFormat, layout: BlobLayout, out: torch.Tensor | None = None,
                  device: torch.device | None = None) -> torch.Tensor:
     """One expert's `read_expert` weights as a blob of `fmt` (on the CPU, in `out` if given). FP8 source + fp8
-    format: bytes and scales copied verbatim; otherwise FP8 weights are dequantized the project's one way
-    (bf16(fp32(w) * s)) and then quantized, the arithmetic on `device` (default: the CPU)."""
+    format, or compressed-tensors int4 source + int4g32 format: bytes and scales copied verbatim; otherwise FP8 and
+    int4 weights are dequantized the project's one way (bf16(fp32(w) * s)) and then quantized, the arithmetic on
+    `device` (default: the CPU)."""
+    if any(w.dtype == torch.int32 for w, _ in weights):           # compressed-tensors int4 words, bf16 scales
+        if isinstance(fmt, Int4G32Format) and all(w.dtype == torch.int32 for w, _ in weights):
+            (gw, gs), (uw, us), (dw, ds) = weights
+            return fmt.pack_prequantized(gw, gs, uw, us, dw, ds, out=out)
+        weights = [(int4g32_dequant(w, s, w.shape[1] * 8, torch.bfloat16), None) if w.dtype == torch.int32
+                   else (w, s) for w, s in weights]
     if fmt.fp8_passthrough and all(s is not None for _, s in weights):
         (gw, gs), (uw, us), (dw, ds) = weights
         return fmt.pack_prequantized(gw, gs, uw, us, dw, ds, out=out)
@@ -302,6 +315,11 @@ class QuantizePlan:
             " + the MTP layer" if self.args.mtp_layer_id in self.moe_layers else "")
 
     @property
+    def verb(self) -> str:
+        """"repacking" where the source stores its experts in the output's format already, else "quantizing"."""
+        return "repacking" if self.args.released_experts == self.fmt.name else "quantizing"
+
+    @property
     def partial(self) -> Path:
         dst = Path(os.path.abspath(self.dst))
         return dst.parent / (dst.name + ".partial")
@@ -368,6 +386,10 @@ def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense:
                         f"(it is not an FP8 checkpoint): use --dense bf16")
     notes = [f"note: {src} has no MTP layer (model.layers.{args.mtp_layer_id}.*), so the output has none"] \
         if notice else []
+    if args.released_experts and fmt.name != args.released_experts:
+        notes.append(f"note: {src} stores its routed experts as {args.released_experts}, as released; --experts "
+                     f"{fmt.name} dequantizes them and quantizes them again (--experts {args.released_experts} keeps "
+                     f"them bit for bit)")
     if fast and not hasattr(fmt, "clip_search"):
         notes.append(f"note: --fast skips int4's clipping search; {fmt.name} has none, so it changes nothing")
     return QuantizePlan(src, dst, args, index, fmt, layout, dense, moe_layers, entries, digest, expert_bytes, notes)
@@ -391,10 +413,14 @@ def _check_experts(meta: dict, args: ModelArgs, layout: BlobLayout, moe_layers: 
             nbytes = 0
             for proj, m in zip(PROJECTIONS, MATRICES):
                 name = expert_tensor_name(layer, e, proj)
+                shape = layout.matrix_shape(m)
+                packed = packed_entry_bytes(meta, name, shape) if name not in meta else None
+                if packed is not None:                          # compressed-tensors int4 (Kimi's released experts)
+                    nbytes += packed
+                    continue
                 v = meta.get(name)
                 if v is None:
                     raise UserError(f"checkpoint is missing tensor {name}")
-                shape = layout.matrix_shape(m)
                 if tuple(v["shape"]) != shape:
                     raise UserError(f"tensor {name} has shape {tuple(v['shape'])}, expected {shape} from config.json")
                 if v["dtype"] not in SOURCE_FLOAT_DTYPES:
@@ -544,7 +570,7 @@ def _prepare_dirs(plan: QuantizePlan, force: bool, resume: bool, log) -> dict:
     state = {"version": 1, "source_hash": plan.source_hash, "options": plan.options(), "dense_done": False,
              "layers_done": []}
     _save_progress(partial, state)
-    log(f"quantizing {plan.src} -> {plan.dst}: {plan.layers_label} x {plan.args.n_routed_experts} "
+    log(f"{plan.verb} {plan.src} -> {plan.dst}: {plan.layers_label} x {plan.args.n_routed_experts} "
         f"experts as {plan.fmt.label} ({format_bytes(plan.layout.blob_bytes)} "
         f"per expert), dense {plan.dense}")
     return state
