@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from .console import console, dim, input_text, log, unknown_ids_note
 from .errors import UserError
 from .offload.options import MISS_POLICIES, OffloadOptions
 from .offload.policy import POLICIES
@@ -24,41 +25,6 @@ from .utils import format_bytes, format_count, parse_size
 OFFLOAD_DEFAULTS = OffloadOptions()
 
 EXIT_USER = 2
-
-
-class _Console:
-    """stderr lines that arrive while a reply streams to stdout (engine notes such as "MTP speculation turned
-    off") are held back and printed on their own line once the stream has ended its line."""
-
-    def __init__(self):
-        self.streaming = False
-        self.held: list[str] = []
-
-    def log(self, msg: str) -> None:
-        if self.streaming:
-            self.held.append(msg)
-        else:
-            click.echo(msg, err=True)
-
-    @contextlib.contextmanager
-    def stream(self):
-        """The block streams a reply to stdout; it ends with the reply's newline, then the held lines follow."""
-        self.streaming = True
-        try:
-            yield
-        finally:
-            self.streaming = False
-            click.echo()
-            held, self.held = self.held, []
-            for msg in held:
-                click.echo(msg, err=True)
-
-
-_console = _Console()
-
-
-def log(msg: str) -> None:
-    _console.log(msg)
 
 
 class SizeParam(click.ParamType):
@@ -154,31 +120,15 @@ def _sampling(o: dict) -> dict:
                 seed=o["seed"])
 
 
-def _dim(text: str) -> str:
-    return f"\033[2m{text}\033[0m" if sys.stderr.isatty() else text
-
-
 def _stdin_text(what: str) -> str:
     """All of stdin, or a UserError when there is none to read (closed, as with `<&-`)."""
     if sys.stdin is None or sys.stdin.closed:
         raise UserError(f"{what} reads stdin, but stdin is closed")
     try:
-        return sys.stdin.read()
+        text = sys.stdin.read()
     except (OSError, ValueError) as e:
         raise UserError(f"{what} cannot read stdin: {e}") from None
-
-
-def _unknown_ids_note(ids: list[int], llm) -> str | None:
-    """A note when the model produced ids the tokenizer has no text for (they print as nothing)."""
-    if llm.tokenizer is None:
-        return None
-    vocab = llm.tokenizer.vocab_size
-    unknown = [t for t in ids if t >= vocab]
-    if not unknown:
-        return None
-    return (f"note: {len(unknown)} of the {len(ids)} generated tokens (e.g. id {unknown[0]}) are past the "
-            f"tokenizer's {vocab} tokens and print as nothing (the checkpoint's vocab_size is "
-            f"{llm.args.vocab_size})")
+    return input_text(text, "stdin")
 
 
 class _Group(click.Group):
@@ -220,7 +170,7 @@ def generate(prompt, as_json, as_chat, stop, **o):
     text, ids, finish = [], [], None
     with contextlib.ExitStack() as streaming:
         if not as_json:
-            streaming.enter_context(_console.stream())
+            streaming.enter_context(console.stream())
         try:
             for chunk in stream:
                 text.append(chunk.text)
@@ -233,69 +183,14 @@ def generate(prompt, as_json, as_chat, stop, **o):
         finally:
             stream.close()
     stats = llm.stats()
-    note = _unknown_ids_note(ids, llm)
+    note = unknown_ids_note(ids, llm)
     if note:
         log(note)
     if as_json:
         click.echo(json.dumps({"text": "".join(text), "token_ids": ids, "prompt_tokens": stats["prompt_tokens"],
                                "finish_reason": finish or "length", "stats": stats}))
     else:
-        log(_dim(summary(stats, finish or "length")))
-
-
-CHAT_HELP = """commands:
-  /exit        leave (Ctrl-D works too)
-  /clear       forget the conversation
-  /help        this text
-  \"\"\"          start or end a multi-line message
-Left/Right and the usual readline keys edit the line; Up/Down recall earlier messages (kept in
-~/.dsv3lite_history, or the file DSV3LITE_HISTORY names; DSV3LITE_HISTORY= keeps none).
-Ctrl-C stops the current reply."""
-
-HISTORY_ENV = "DSV3LITE_HISTORY"
-HISTORY_LINES = 1000
-
-
-def _line_editing():
-    """readline line editing and history for chat when stdin and stdout are a terminal. Returns a function that
-    saves the history (None when there is nothing to save)."""
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        return None
-    try:
-        import readline
-    except ImportError:                   # Python built without readline: plain input()
-        return None
-    path = os.environ.get(HISTORY_ENV)
-    path = os.path.join(os.path.expanduser("~"), ".dsv3lite_history") if path is None else path
-    if not path:
-        return None
-    readline.set_history_length(HISTORY_LINES)
-    with contextlib.suppress(OSError):
-        readline.read_history_file(path)
-
-    def save():
-        try:
-            readline.write_history_file(path)
-        except OSError as e:
-            log(f"note: could not save the chat history to {path}: {e.strerror or e}")
-    return save
-
-
-def _read_message() -> str | None:
-    """One user message; None on EOF. Lines between two '\"\"\"' form one multi-line message."""
-    line = input(">>> ")
-    if not line.strip().startswith('\"\"\"'):
-        return line
-    first = line.strip()[3:]
-    if first.endswith('\"\"\"'):
-        return first[:-3]
-    lines = [first] if first else []
-    while True:
-        more = input("... ")
-        if more.rstrip().endswith('\"\"\"'):
-            lines.append(more.rstrip()[:-3])
-            return "\n".join(lines)
-        lines.append(more)
+        log(dim(summary(stats, finish or "length")))
 
 
 @cli.command(short_help="Chat in the terminal (streaming, line editing).")
@@ -305,67 +200,10 @@ def chat(**o):
     Samples by default (--temp 0 for greedy replies)."""
     if sys.stdin is None or sys.stdin.closed:
         raise UserError("chat reads messages from stdin, but stdin is closed")
+    from .chat_repl import chat_loop
+
     llm = _engine(o)
-    base = [{"role": "system", "content": o["system_prompt"]}] if o["system_prompt"] else []
-    history = list(base)
-    save_history = _line_editing()
-    log(_dim("type /help for commands, /exit to leave"))
-    try:
-        _chat_loop(llm, o, base, history)
-    finally:
-        if save_history is not None:
-            save_history()
-
-
-def _chat_loop(llm, o: dict, base: list[dict], history: list[dict]) -> None:
-    while True:
-        try:
-            msg = _read_message()
-        except EOFError:
-            click.echo()
-            return
-        except KeyboardInterrupt:
-            click.echo()
-            log("(use /exit or Ctrl-D to leave)")
-            continue
-        cmd = msg.strip()
-        if not cmd:
-            continue
-        if cmd in ("/exit", "/quit", "/bye"):
-            return
-        if cmd == "/help":
-            click.echo(CHAT_HELP)
-            continue
-        if cmd == "/clear":
-            history[:] = base
-            llm.reset()
-            log(_dim("conversation cleared"))
-            continue
-        if cmd.startswith("/"):
-            log(f"unknown command {cmd.split()[0]} (/help lists them)")
-            continue
-        history.append({"role": "user", "content": msg})
-        reply, ids, finish = [], [], None
-        stream = llm.chat(history, **_sampling(o))
-        with _console.stream():
-            try:
-                for chunk in stream:
-                    reply.append(chunk.text)
-                    if chunk.token_id is not None:
-                        ids.append(chunk.token_id)
-                    finish = chunk.finish_reason
-                    click.echo(chunk.text, nl=False)
-                    sys.stdout.flush()
-            except KeyboardInterrupt:
-                finish = "stopped"
-                log(_dim("[stopped]"))
-            finally:
-                stream.close()
-        history.append({"role": "assistant", "content": "".join(reply)})
-        note = _unknown_ids_note(ids, llm)
-        if note:
-            log(note)
-        log(_dim(summary(llm.stats(), finish)))
+    chat_loop(llm, _sampling(o), [{"role": "system", "content": o["system_prompt"]}] if o["system_prompt"] else [])
 
 
 @cli.command(short_help="Config, parameter counts, bytes per component.")
