@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import signal
 import socket
 import sys
 import threading
@@ -42,6 +43,9 @@ from .runner import EngineRunner
 
 MAX_BODY_BYTES = 1 << 20          # larger request bodies get 413
 DRAIN_LIMIT = 64 << 20            # an oversized body is read and discarded up to this, so the client sees the 413
+
+
+SHUTDOWN = APIError(503, "the server is shutting down: this reply was cut short", code="server_shutdown")
 
 
 def model_name(engine) -> str:
@@ -74,6 +78,8 @@ async def read_json(request: Request, limit: int):
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests arrays or objects too deeply", code="invalid_json") from None
 
 
 class _JobStream(StreamingResponse):
@@ -248,7 +254,9 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
                 delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
                 if delta:
                     yield _sse(chat_chunk(rid, created, model_id, delta, with_usage_field=req.include_usage))
-        if finish is None:                # cancelled (shutdown): end without a finish
+        if finish is None:                # cancelled: by the client (gone), or by a shutdown (told, then [DONE])
+            for event in _stopped(job):
+                yield event
             return
         yield _sse(chat_chunk(rid, created, model_id, {}, finish, with_usage_field=req.include_usage))
         if req.include_usage:
@@ -275,10 +283,18 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
                 yield _sse(completion_response(rid, created, model_id, chunk.text, finish, None,
                                                obj_usage=req.include_usage))
         if finish is None:
+            for event in _stopped(job):
+                yield event
             return
         if req.include_usage:
             yield _sse(usage_chunk(rid, created, model_id, "text_completion", usage_of(job, ids, n)))
         yield "data: [DONE]\n\n"
+
+    def _stopped(job):
+        """The end of a stream that a shutdown cut short: an error event, then [DONE]."""
+        if job.stopped:
+            yield _sse(SHUTDOWN.body())
+            yield "data: [DONE]\n\n"
 
     def _event_stream(job, events):
         async def guarded():
@@ -309,7 +325,7 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
             watcher.cancel()
             job.cancel()
         if finish is None:
-            raise APIError(503, "the generation was cancelled", code="cancelled")
+            raise SHUTDOWN if job.stopped else APIError(503, "the generation was cancelled", code="cancelled")
         return build("".join(text), finish, n)
 
     @v1.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
@@ -369,8 +385,9 @@ def _access_line(scope, status, seconds: float, state: dict) -> str:
     job = state.get("job")
     if job is not None:
         line += f" {job.tokens} tok"
-        if job.status in ("cancelled", "failed"):
-            line += f" ({job.status})"
+        outcome = job.outcome()
+        if outcome != "done":
+            line += f" ({outcome})"
         if job.unknown_tokens:
             line += f" ({job.unknown_tokens} ids past the tokenizer's vocabulary)"
     line += f" {seconds:.2f}s"
@@ -410,12 +427,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(app, on_started=None):
+def _uvicorn_server(app, on_started=None, on_signal=None):
+    """uvicorn's server. On SIGINT or SIGTERM it stops gracefully: `on_signal(name)`, the runner cuts its replies
+    short (streams end with an error event and [DONE]), and the process then exits normally instead of re-raising
+    the signal."""
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             if self.started and on_started is not None:
                 on_started()
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                if on_signal is not None:
+                    on_signal(signal.Signals(sig).name)
+                app.state.runner.stop()
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
 
     return Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
                                  lifespan="on"))
@@ -451,10 +479,10 @@ def serve(load_engine, host: str = "127.0.0.1", port: int = 8000, api_key: str |
                    + (f", web UI: {url}/" if ui else "") + ")  Ctrl-C stops")
         sys.stdout.flush()
 
-    try:
-        _uvicorn_server(app, announce).run(sockets=[sock])
-    except KeyboardInterrupt:             # uvicorn shuts down gracefully, then hands Ctrl-C on
-        pass
+    def on_signal(name):
+        log(f"{name}: stopping (replies in flight end with an error event)")
+
+    _uvicorn_server(app, announce, on_signal).run(sockets=[sock])
     log("server stopped")
 
 

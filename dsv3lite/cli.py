@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -20,7 +22,7 @@ from .footprint import DENSE_DTYPES, DENSE_WEIGHT_BYTES
 from .quant.formats import FORMATS
 from .quant.int4 import GROUP_SIZES
 from .stats import summary
-from .utils import format_bytes, format_count, parse_size
+from .utils import format_bytes, format_count, parse_size, write_problem
 
 OFFLOAD_DEFAULTS = OffloadOptions()
 
@@ -383,8 +385,9 @@ def _writable_file(path: str, what: str) -> Path:
         raise UserError(f"{what} {out} is a directory: give a file name")
     if not parent.is_dir():
         raise UserError(f"cannot write {what} {out}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise UserError(f"cannot write {what} {out}: permission denied")
+    problem = write_problem(parent) or (None if not out.exists() or os.access(out, os.W_OK) else "permission denied")
+    if problem:
+        raise UserError(f"cannot write {what} {out}: {problem}")
     return out
 
 
@@ -500,12 +503,36 @@ def ui(host, port, api_key, **o):
     _serve(host, port, api_key, True, o)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (docker stop, systemd, kill), raised where the program is, so it stops as on Ctrl-C: files closed,
+    and what can be resumed said (quantize)."""
+
+
+@contextlib.contextmanager
+def _sigterm_stops():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(sig, frame):
+        raise Terminated()
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv=None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        cli.main(args=argv, prog_name="dsv3lite", standalone_mode=False)
+        with _sigterm_stops():
+            cli.main(args=argv, prog_name="dsv3lite", standalone_mode=False)
         return 0
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as e:          # click's form of KeyboardInterrupt (Ctrl-C, or SIGTERM above)
+        if isinstance(e.__cause__, Terminated):
+            log("terminated (SIGTERM)")
+            return 128 + signal.SIGTERM
         log("aborted")
         return 130
     except click.exceptions.Exit as e:

@@ -13,6 +13,8 @@ import torch
 
 from .errors import UserError
 
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)         # what torch.Generator.manual_seed takes
+
 
 @dataclass
 class SamplingParams:
@@ -32,7 +34,9 @@ class SamplingParams:
             (_finite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}"),
             (_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+             f"seed must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}, got {self.seed!r}"),
         ]
         for ok, msg in checks:
             if not ok:

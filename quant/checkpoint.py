@@ -38,7 +38,7 @@ from ..config import ModelArgs
 from ..errors import UserError
 from ..hf_checkpoint import (FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader, check_fp8_scale,
                              expert_tensor_name, map_name, mtp_status)
-from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits
+from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits, write_problem
 from .formats import format_for_layout, get_format
 from .fp8 import fp8_block_dequant
 from .layout import MATRICES, BlobLayout, ExpertFormat
@@ -59,6 +59,11 @@ PAUSE_ENV = "DSV3LITE_TEST_PAUSE_AFTER_LAYERS"
 
 class QuantizeInterrupted(UserError):
     """Ctrl-C during quantize: DST.partial/ is consistent and `--resume` continues it."""
+
+
+class QuantizeWriteFailed(UserError):
+    """The output's disk filled up or failed part way: DST.partial/ is consistent up to its last finished layer and
+    `--resume` continues it once there is room."""
 
 
 def blob_name(layer_id: int) -> str:
@@ -460,7 +465,10 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
     if workers < 1:
         raise UserError(f"workers must be at least 1, got {workers}")
     plan = plan_quantize(src, dst, experts, group_size, dense, fast)
-    state = _prepare_dirs(plan, force, resume, log)
+    try:
+        state = _prepare_dirs(plan, force, resume, log)
+    except OSError as e:
+        raise QuantizeWriteFailed(f"cannot write {e.filename or plan.partial}: {e.strerror or e}") from None
     for note in plan.notes:
         log(note)
     n_layers, n_experts = len(plan.moe_layers), plan.args.n_routed_experts
@@ -474,12 +482,17 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
                 state["dense_done"] = True
                 _save_progress(plan.partial, state)
             _write_experts(plan, reader, state, progress, log, dev, workers)
+        _atomic_write(plan.partial / MANIFEST, json.dumps(plan.manifest().to_json(), indent=2) + "\n")
+        _finish(plan)
     except KeyboardInterrupt:
         done = len(state["layers_done"])
         raise QuantizeInterrupted(f"interrupted with {done} of {n_layers} MoE layers done in {plan.partial}: "
                                   f"run the same command with --resume to continue") from None
-    _atomic_write(plan.partial / MANIFEST, json.dumps(plan.manifest().to_json(), indent=2) + "\n")
-    _finish(plan)
+    except OSError as e:                  # the disk filled up or went read-only part way (reads raise UserError)
+        done = len(state["layers_done"])
+        raise QuantizeWriteFailed(f"cannot write {e.filename or plan.partial}: {e.strerror or e}, with {done} of "
+                                  f"{n_layers} MoE layers done: make room and run the same command with --resume") \
+            from None
     dense_bytes = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
     log(f"wrote {plan.dst}: {plan.layers_label} x {n_experts} experts as {plan.fmt.label} "
         f"({format_bytes(n_layers * n_experts * plan.layout.blob_bytes)}), dense {plan.dense} "
@@ -532,7 +545,9 @@ def _prepare_dirs(plan: QuantizePlan, force: bool, resume: bool, log) -> dict:
     dense_bytes = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
     expert_bytes = len(plan.moe_layers) * plan.args.n_routed_experts * plan.layout.blob_bytes
     parent = partial.parent
-    parent.mkdir(parents=True, exist_ok=True)
+    problem = write_problem(parent)
+    if problem:
+        raise UserError(f"cannot write in {parent}: {problem}")
     free = shutil.disk_usage(parent).free
     if dense_bytes + expert_bytes > free:
         raise UserError(f"not enough disk space in {parent}: the output needs "

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,35 @@ def test_closed_stdin_in_a_real_process(v3_dir, argv):
 def test_trace_output_is_checked_before_loading(capsys, no_load, v3_dir, out, needle):
     rc, _, err = run(capsys, "trace", "-w", v3_dir, "-p", "hi", "-o", out)
     one_line_error(rc, err, needle)
+
+
+def test_trace_names_a_read_only_file_system(capsys, no_load, v3_dir, tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    def read_only(*a, **kw):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    rc, _, err = run(capsys, "trace", "-w", v3_dir, "-p", "hi", "-o", tmp_path / "t.jsonl")
+    one_line_error(rc, err, "Read-only file system")
+    assert "permission" not in err
+
+
+def test_sigterm_is_one_line_and_exit_143(capsys, monkeypatch, v3_dir):
+    import signal
+
+    def terminated(o):
+        os.kill(os.getpid(), signal.SIGTERM)       # as `kill` or `docker stop` would, while the model loads
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the command")
+    monkeypatch.setattr(cli_module, "_engine", terminated)
+    rc, _, err = run(capsys, "generate", "-w", v3_dir, "-p", "hi")
+    assert rc == 143 and err.strip() == "terminated (SIGTERM)"
+
+
+def test_huge_seed_is_one_line(capsys, v3_dir):
+    rc, _, err = run(capsys, "generate", "-w", v3_dir, "-p", "hi", "--seed", "99999999999999999999999")
+    one_line_error(rc, err, "seed must be an integer from")
 
 
 def test_trace_writes_and_summarises(capsys, tmp_path, v3_dir):

@@ -77,6 +77,19 @@ def test_ids_past_the_tokenizer_are_logged(logged, monkeypatch):
     assert '"POST /v1/completions" 200 2 tok (1 ids past the tokenizer\'s vocabulary)' in line
 
 
+def test_a_stream_its_client_left_is_logged_as_cancelled(logged, monkeypatch):
+    from dsv3lite.testing import paced
+
+    server, lines, llm = logged
+    monkeypatch.setattr(llm, "generate", paced(llm.generate, 0.02))
+    with httpx.stream("POST", server.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 40, "stream": True},
+                      timeout=30) as r:
+        events = r.iter_lines()
+        assert next(events).startswith("data: ")             # one token, then hang up
+    line = line_for(lines, '"POST /v1/completions" 200 ')
+    assert "(cancelled)" in line and " 40 tok" not in line
+
+
 @pytest.mark.parametrize("method,path,allow", [("GET", "/v1/chat/completions", "POST"),
                                                ("GET", "/v1/completions", "POST"),
                                                ("POST", "/v1/models", "GET"),
