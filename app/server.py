@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 
-from dsv3lite.errors import UserError
+from dsv3lite.errors import ModelFault, UserError
 from dsv3lite.generate import SamplingParams
 
 try:
@@ -112,6 +112,9 @@ async def _cancel_on_disconnect(request: Request, job) -> None:
 def _as_api_error(e: BaseException, log) -> APIError:
     if isinstance(e, APIError):
         return e
+    if isinstance(e, ModelFault):
+        log(f"error: {e}")
+        return APIError(500, str(e), code="model_fault")
     if isinstance(e, UserError):
         code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
         return APIError(400, str(e), code=code)

@@ -68,6 +68,8 @@ TOP_NAMES = {
 # kept in fp32 whatever the compute dtype (as transformers does): module and checkpoint suffixes
 FP32_MODULE_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias", "attn.indexer.weights_proj.weight")
 FP32_CHECKPOINT_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
+# a dsv3lite-quantized directory's routed experts of one layer: model.layers.N.mlp.experts.blobs
+BLOBS_SUFFIX = ".mlp.experts.blobs"
 # multimodal checkpoints (Kimi-K2.5): the language model's tensors under this prefix, the other towers' are not run
 TEXT_MODEL_PREFIX = "language_model."
 
@@ -226,9 +228,49 @@ class CheckpointIndex:
         return meta
 
 
+def check_layer_count(index: CheckpointIndex, args: ModelArgs) -> None:
+    """config.json's num_hidden_layers must be the checkpoint's decoder depth: the first layer holding MTP tensors
+    (enorm, eh_proj, ...), else the highest layer + 1. Otherwise an MTP layer would run as a decoder layer, or a
+    decoder layer be skipped, and print garbage."""
+    layers, mtp = set(), set()
+    for name in index.files:
+        m = _LAYER_RE.match(name)
+        if m:
+            layers.add(int(m.group(1)))
+            if m.group(2) in MTP_NAMES:
+                mtp.add(int(m.group(1)))
+    if not layers:
+        return
+    depth = min(mtp) if mtp else max(layers) + 1
+    if depth != args.num_hidden_layers:
+        where = f"its MTP layer is model.layers.{depth}" if mtp else f"its last layer is model.layers.{depth - 1}"
+        raise UserError(f"config.json says num_hidden_layers {args.num_hidden_layers}, but the checkpoint's decoder "
+                        f"has {depth} layers ({where})")
+
+
+def unplaced_note(index: CheckpointIndex, args: ModelArgs) -> str | None:
+    """One line naming the checkpoint tensors that have no place in the model (not read), or None. The MTP layer's
+    copies of the embedding and head, and MTP layers past the first, are left out on purpose and not named."""
+    unplaced = []
+    for name in index.files:
+        if name.endswith(("_scale_inv", BLOBS_SUFFIX)) or map_name(name, args) is not None:
+            continue                          # (a quantized directory's expert blobs have their own reader)
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) >= args.mtp_layer_id:
+            continue
+        unplaced.append(name)
+    if not unplaced:
+        return None
+    shown = ", ".join(sorted(unplaced)[:3]) + (", ..." if len(unplaced) > 3 else "")
+    return (f"note: {len(unplaced)} checkpoint tensor{'s have' if len(unplaced) > 1 else ' has'} no place in a "
+            f"{args.model_type} model and {'are' if len(unplaced) > 1 else 'is'} not loaded: {shown}")
+
+
 def mtp_status(index: CheckpointIndex, args: ModelArgs) -> tuple[bool, str | None]:
     """(MTP layer present?, notice). A wholly absent MTP layer turns MTP off; a partly present one is an error.
-    Works for HF and dsv3lite-quantized directories alike (both keep the MTP layer's own tensors by HF name)."""
+    Works for HF and dsv3lite-quantized directories alike (both keep the MTP layer's own tensors by HF name).
+    The config's layer count is checked against the checkpoint first (check_layer_count)."""
+    check_layer_count(index, args)
     if args.num_nextn_predict_layers < 1:
         return False, None
     prefix = f"model.layers.{args.mtp_layer_id}."
@@ -326,6 +368,10 @@ class TensorReader:
         w = self.get(name, scratch)
         if shape is not None and tuple(w.shape) != tuple(shape):
             raise UserError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)} from config.json")
+        if not w.dtype.is_floating_point:     # its scale is nowhere: casting it would be silently wrong
+            raise UserError(f"tensor {name} is {str(w.dtype).replace('torch.', '')}, and config.json declares no "
+                            f"quantization that gives its scale (an integer weight needs one): dsv3lite reads float "
+                            f"and FP8 block-scaled weights, and its own quantized directories")
         if w.dtype != torch.float8_e4m3fn:
             return w, None
         if not self.has(name + "_scale_inv"):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import UserError
+from .errors import ModelFault, UserError
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)         # what torch.Generator.manual_seed takes
 
@@ -49,8 +49,12 @@ def _finite(x) -> bool:
 
 def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from: logits [V] (any dtype) -> fp32 probabilities [V] after
-    temperature, top-k and top-p. Temperature 0 is a one-hot on the argmax."""
+    temperature, top-k and top-p. Temperature 0 is a one-hot on the argmax. Non-finite logits (NaN or inf: damaged
+    weights, or a dtype that overflows) are a ModelFault: greedy decoding would otherwise pick a NaN's index."""
     logits = logits.float()
+    if not bool(torch.isfinite(logits).all()):
+        raise ModelFault("the model's logits are not finite (NaN or inf): the checkpoint's weights are damaged, or "
+                         "the compute dtype overflows (try --dtype float32)")
     if p.temperature == 0:
         return torch.zeros_like(logits).scatter_(0, logits.argmax().view(1), 1.0)
     logits = logits / p.temperature

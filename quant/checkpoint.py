@@ -36,7 +36,7 @@ import torch
 
 from ..config import ModelArgs
 from ..errors import UserError
-from ..hf_checkpoint import (FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader, check_fp8_scale,
+from ..hf_checkpoint import (BLOBS_SUFFIX, FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader, check_fp8_scale,
                              expert_tensor_name, map_name, mtp_status)
 from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits, write_problem
 from .formats import format_for_layout, get_format
@@ -67,7 +67,7 @@ class QuantizeWriteFailed(UserError):
 
 
 def blob_name(layer_id: int) -> str:
-    return f"model.layers.{layer_id}.mlp.experts.blobs"
+    return f"model.layers.{layer_id}{BLOBS_SUFFIX}"
 
 
 def _natural_key(name: str):
