@@ -47,6 +47,19 @@ class SizeParam(click.ParamType):
 SIZE = SizeParam()
 
 
+THREADS_OPTION = click.option(
+    "--threads", "-t", type=click.IntRange(min=1), default=None,
+    help="Threads of every parallel region (torch, the CPU kernels, the offloading CPU worker).  [default: the "
+         "physical cores; CPU decode steps then use fewer while other programs hold cores]")
+
+
+def _set_threads(threads: int | None) -> None:
+    """--threads N, or the physical cores, for every parallel region from here on."""
+    from . import threads as thread_rules
+
+    thread_rules.apply(thread_rules.resolve(threads))
+
+
 CHAT_SAMPLING = {"temperature": 0.8, "top_p": 0.95}   # chat (terminal and web UI) samples; scripted runs are greedy
 
 
@@ -97,7 +110,9 @@ def engine_options(temp: float = 0.0, top_p: float = 1.0):
         click.option("--cache-policy", type=click.Choice(list(POLICIES)), default=OFFLOAD_DEFAULTS.cache_policy,
                      show_default=True, help="Offloading: expert-slot eviction policy."),
         click.option("--cpu-threads", type=click.IntRange(0, 4096), default=OFFLOAD_DEFAULTS.cpu_threads,
-                     help="Offloading: threads computing misses on the CPU (default 0: torch's thread count)."),
+                     help="Offloading: threads computing misses on the CPU (default 0: --threads less one, the "
+                          "main thread's)."),
+        THREADS_OPTION,
     ]
 
     def decorate(fn):
@@ -110,11 +125,13 @@ def engine_options(temp: float = 0.0, top_p: float = 1.0):
 def _engine(o: dict):
     import dsv3lite
 
+    _set_threads(o["threads"])
     return dsv3lite.load(weights=o["weights"], device=o["device"], gpu_mem=o["gpu_mem"], dtype=o["dtype"],
                          ctx_size=o["ctx_size"], mtp=o["mtp"], experts=o["experts"], cpu_mem=o["cpu_mem"],
                          dense=o["dense"], log=log, num_draft_tokens=o["num_draft_tokens"],
                          cuda_graphs=o["cuda_graphs"], lookahead=o["lookahead"],
-                         miss_policy=o["miss_policy"], cache_policy=o["cache_policy"], cpu_threads=o["cpu_threads"])
+                         miss_policy=o["miss_policy"], cache_policy=o["cache_policy"], cpu_threads=o["cpu_threads"],
+                         threads=o["threads"])
 
 
 def _sampling(o: dict) -> dict:
@@ -289,11 +306,13 @@ def info(weights, as_json, dense):
                    "The blobs are the CPU's, up to rare ties between equally good int4 ranges.")
 @click.option("--force", is_flag=True, help="Replace an existing DST.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from DST.partial/.")
-def quantize(src, dst, experts, group_size, dense, fast, device, force, resume):
+@THREADS_OPTION
+def quantize(src, dst, experts, group_size, dense, fast, device, force, resume, threads):
     """Write SRC (HF checkpoint) to DST with routed experts as one packed blob each (expert-major), experts
-    quantized in parallel on every CPU thread (or on the GPU), with an ETA."""
+    quantized in parallel on --threads CPU threads (or on the GPU), with an ETA."""
     from .quant.checkpoint import quantize_checkpoint
 
+    _set_threads(threads)
     quantize_checkpoint(src, dst, experts=experts, group_size=int(group_size), dense=dense, force=force,
                         resume=resume, progress=True, log=log, fast=fast, device=device)
 

@@ -22,6 +22,7 @@ from .offload.stats import empty_expert_cache_stats
 from .prefill import prefill_hidden
 from .sampling import SamplingParams, sample, sampling_probs
 from .speculative import Speculator
+from .threads import ThreadPolicy
 
 
 @dataclass
@@ -139,7 +140,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, ctx_size: int = 4096,
                  mtp: bool = True, weights: str | None = None, log=None, num_draft_tokens: int = 1,
-                 mtp_adaptive: bool = True, offload=None, cuda_graphs: bool = True):
+                 mtp_adaptive: bool = True, offload=None, cuda_graphs: bool = True, threads: ThreadPolicy | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
@@ -158,6 +159,8 @@ class Engine:
         self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
         self._kernel_step = device.type == "cpu" and cpu_decode.covers(model)
         self._eager_threads = decode_threads(self.args, device)      # the size rule, once
+        # intra-op threads of every step (threads.py): fixed, or adapting when other programs take cores
+        self.threads = threads or ThreadPolicy(torch.get_num_threads(), adaptive=False)
         # on a GPU, decode steps replayed from CUDA graphs (graphs.py; --no-cuda-graphs or DSV3LITE_GRAPHS=0: the
         # eager step)
         self.graphs = graphs.DecodeGraphs(model, log=self.log) if cuda_graphs and device.type == "cuda" \
@@ -320,12 +323,13 @@ class Engine:
             if self.offload is not None:
                 self.offload.reset_stats()
             t0 = time.perf_counter()
-            logits, hidden, start = self._prefill(ids)
-            if self.offload is not None:
-                self.offload.end_prefill()
-            stats.prefilled_tokens = len(ids) - stats.cached_prompt_tokens
-            token = sample(sampling_probs(logits, params), gen)
-            self.speculator.catch_up(self.cache, hidden, ids[start + 1:] + [token], start)
+            with intra_op_threads(self.threads.current(self.decode_threads)):
+                logits, hidden, start = self._prefill(ids)
+                if self.offload is not None:
+                    self.offload.end_prefill()
+                stats.prefilled_tokens = len(ids) - stats.cached_prompt_tokens
+                token = sample(sampling_probs(logits, params), gen)
+                self.speculator.catch_up(self.cache, hidden, ids[start + 1:] + [token], start)
             stats.prefill_s = time.perf_counter() - t0
             stats.ttft_s = stats.prefill_s
             t_first = time.perf_counter()
@@ -339,7 +343,7 @@ class Engine:
                     if chunk.finish_reason:
                         return
                 token = new[-1]
-                with intra_op_threads(self.decode_threads):
+                with self.threads.step(self.decode_threads):
                     new = self._step(token, params, gen, stats)
 
     def _step(self, token: int, params: SamplingParams, gen, stats: RunStats) -> list[int]:

@@ -1,0 +1,130 @@
+"""--threads and the thread policy: one count for every parallel region, the CPU worker's default, and decode steps
+that adapt their count when another program takes a core (the policy is driven by a simulated clock here; the
+figures of a real shared machine are benchmarks/contention.py's)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv3lite
+from dsv3lite import threads
+from dsv3lite.cli import main
+from dsv3lite.errors import UserError
+
+
+class Machine:
+    """A decode step's seconds for each thread count, and a clock the steps advance."""
+
+    def __init__(self, seconds: dict[int, float]):
+        self.seconds, self.now = dict(seconds), 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def decode(self, policy: threads.ThreadPolicy, steps: int, cap=None) -> list[int]:
+        used = []
+        for _ in range(steps):
+            with policy.step(cap) as n:
+                self.now += self.seconds[n]
+            used.append(n)
+        return used
+
+
+def test_candidates_cover_one_core_taken_and_halving():
+    assert threads.candidates(1) == [1]
+    assert threads.candidates(2) == [2, 1]
+    assert threads.candidates(16) == [16, 15, 7, 3, 1]
+
+
+def test_adaptive_policy_keeps_every_thread_on_a_quiet_machine(one_thread):
+    m = Machine({2: 1e-3, 1: 1.7e-3})
+    p = threads.ThreadPolicy(2, clock=m.clock)
+    used = m.decode(p, 2000)
+    assert p.chosen == 2 and used[-1] == 2
+    assert used.count(1) < 0.02 * len(used)                 # the other count is measured seldom
+
+
+def test_adaptive_policy_drops_a_thread_when_a_core_is_taken_and_comes_back(one_thread):
+    m = Machine({2: 1e-3, 1: 1.7e-3})
+    p = threads.ThreadPolicy(2, clock=m.clock)
+    m.decode(p, 500)
+    assert p.chosen == 2
+    m.seconds[2] = 40e-3                                      # another program spins on one of the two cores
+    used = m.decode(p, 200)
+    assert p.chosen == 1 and used[-150:] == [1] * 150         # noticed within a few steps
+    assert used.count(2) <= 6
+    busy = Machine({2: 40e-3, 1: 1.7e-3})
+    busy.now = m.now
+    p.clock = busy.clock
+    used = busy.decode(p, 20000)                              # ~35 s busy: the slow count is tried rarely
+    assert used.count(2) * 40e-3 < 0.05 * busy.now
+    busy.seconds[2] = 1e-3                                    # the other program ends
+    used = busy.decode(p, 40000)
+    assert p.chosen == 2 and used[-1000:] == [2] * 1000
+
+
+def test_fixed_policy_and_the_tiny_model_cap(one_thread):
+    m = Machine({1: 1e-3, 2: 9.0, 3: 9.0})
+    assert set(m.decode(threads.ThreadPolicy(3, adaptive=False, clock=m.clock), 50, cap=1)) == {1}
+    m = Machine({1: 9.0, 2: 9.0, 3: 1e-3})
+    assert set(m.decode(threads.ThreadPolicy(3, adaptive=False, clock=m.clock), 50)) == {3}
+
+
+def test_a_step_runs_with_its_count_and_restores_torchs(one_thread):
+    p = threads.ThreadPolicy(2, adaptive=False)
+    with p.step() as n:
+        assert n == 2 and torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 1
+    with p.step(cap=1):
+        assert torch.get_num_threads() == 1
+
+
+def test_resolve_and_physical_cores():
+    assert threads.resolve(3) == 3 and threads.resolve(None) == threads.physical_cores() >= 1
+    for bad in (0, -2, 1.5, True, "4"):
+        with pytest.raises(UserError):
+            threads.resolve(bad)
+    assert threads.worker_threads(1) == 1 and threads.worker_threads(8) == 7
+
+
+def test_threads_flag_reaches_every_parallel_region(capsys, monkeypatch, v3_dir, one_thread):
+    from dsv3lite import builder
+    from dsv3lite.generate import Engine
+
+    seen = {}
+    real = Engine.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        seen.update(policy=self.threads, torch=torch.get_num_threads())
+    monkeypatch.setattr(Engine, "__init__", spy)
+    try:
+        assert main(["generate", "-w", str(v3_dir), "-p", "hi", "-m", "2", "-t", "3"]) == 0
+        assert seen["torch"] == 3 and seen["policy"].limit == 3 and not seen["policy"].adaptive
+        assert main(["generate", "-w", str(v3_dir), "-p", "hi", "-m", "2"]) == 0
+        assert seen["torch"] == threads.physical_cores() and seen["policy"].adaptive
+        assert main(["generate", "-w", str(v3_dir), "-p", "hi", "-m", "2", "--threads", "0"]) != 0
+    finally:
+        torch.set_num_threads(1)
+    assert "--threads" in capsys.readouterr().err
+    assert builder.thread_policy_for(None, torch.device("cuda")).adaptive is False   # GPU steps: no adapting
+
+
+@pytest.mark.parametrize("command", ["chat", "generate", "serve", "ui", "trace", "quantize"])
+def test_every_computing_command_has_threads(capsys, command):
+    assert main([command, "--help"]) == 0
+    assert "--threads" in capsys.readouterr().out
+
+
+def test_cpu_worker_leaves_the_main_thread_a_core(one_thread):
+    from dsv3lite.offload.cpu_worker import CpuWorker
+
+    class Host:
+        layers = {1: torch.zeros(4, 8, dtype=torch.uint8)}
+
+    torch.set_num_threads(4)
+    try:
+        assert CpuWorker(Host(), None).threads == 3
+        assert CpuWorker(Host(), None, threads=2).threads == 2
+    finally:
+        torch.set_num_threads(1)
