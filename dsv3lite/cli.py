@@ -231,44 +231,20 @@ def chat(**o):
 @click.option("--dense", type=click.Choice(DENSE_DTYPES), default=None,
               help="Count the non-expert weights as a run with --dense packs them.")
 def info(weights, as_json, dense):
-    """Config summary, parameter counts (total / active), bytes per component as stored, KV bytes per token."""
+    """Config summary, parameter counts (total / active), bytes per component as stored, KV bytes per token, and
+    the host tier of routed-expert blobs (the same code as `plan`)."""
     from .builder import resolve_weights
-    from .config import ModelArgs
-    from .footprint import footprint
-    from .quant.checkpoint import is_quantized_dir, read_manifest
+    from .inventory import inventory
 
     root = resolve_weights(weights)
-    a = ModelArgs.from_dir(root)
-    fp = footprint(a)
-    comps = {"embeddings": fp.embed, "lm_head": fp.head, "attention+norms": fp.attention, "dense MLPs": fp.dense_mlp,
-             "routers": fp.routers, "shared experts": fp.shared_experts, "routed experts": fp.routed_experts,
-             "MTP (non-expert)": fp.mtp_dense, "MTP routed experts": fp.mtp_routed_experts}
-    sizes = {k: v * 2 for k, v in comps.items()}          # bf16: 2 bytes per parameter
-    stored = "bf16"
-    if is_quantized_dir(root):                            # routed experts as the blobs on disk
-        m = read_manifest(root)
-        blob = m.layout.blob_bytes
-        sizes["routed experts"] = sum(1 for l in m.moe_layers if l != a.mtp_layer_id) * m.n_experts * blob
-        sizes["MTP routed experts"] = (a.mtp_layer_id in m.moe_layers) * m.n_experts * blob
-        expert_fmt = f"int4 (group {m.group_size})" if m.format == "int4" else m.format
-        stored = f"{m.dense_dtype} dense weights, {expert_fmt} routed experts"
-    if dense is not None:                                 # as PackedLinear holds them (embeddings, routers kept)
-        from .footprint import unpacked_attention_params
-
-        per = DENSE_WEIGHT_BYTES[dense]
-        kept = unpacked_attention_params(a)
-        for k in ("lm_head", "dense MLPs", "shared experts"):
-            sizes[k] = round(comps[k] * per)
-        sizes["attention+norms"] = round((fp.attention - a.num_hidden_layers * kept) * per + a.num_hidden_layers * kept * 2)
-        if fp.mtp_dense:
-            sizes["MTP (non-expert)"] = round((fp.mtp_dense - kept) * per + kept * 2)
-        stored += f"; non-expert weights packed to {dense} (--dense)"
-    host_tier = sizes["routed experts"] + sizes["MTP routed experts"]    # every routed expert blob, as stored
+    inv = inventory(root, dense)
+    a, fp, tier = inv.args, inv.footprint, inv.tier
     if as_json:
         click.echo(json.dumps({"weights": str(root), "model_type": a.model_type, "total_params": fp.total,
-                               "active_params": fp.active, "components": comps, "component_bytes": sizes,
-                               "stored_as": stored, "kv_bytes_per_token": a.kv_bytes_per_token,
-                               "host_tier_bytes": host_tier}))
+                               "active_params": fp.active, "components": inv.params, "component_bytes": inv.bytes,
+                               "stored_as": inv.stored, "kv_bytes_per_token": a.kv_bytes_per_token,
+                               "host_tier_bytes": inv.host_tier_bytes, "expert_format": tier.source.fmt.name,
+                               "mtp_layer": tier.with_mtp}))
         return
     moe = a.moe_layer_ids
     click.echo(f"{root}\n  model_type {a.model_type}: {a.num_hidden_layers} layers ({len(moe)} MoE), hidden {a.hidden_size}, "
@@ -277,14 +253,17 @@ def info(weights, as_json, dense):
                f"({a.rope_type}{f' x{a.rope_factor:g}' if a.rope_type == 'yarn' else ''}), softmax scale {a.softmax_scale:.6f}")
     click.echo(f"  MoE: {a.n_routed_experts} routed experts of {a.moe_intermediate_size} (top-{a.num_experts_per_tok}, "
                f"{a.scoring_func}/{a.topk_method}, groups {a.n_group}/{a.topk_group}), {a.n_shared_experts} shared")
-    click.echo(f"  MTP layers: {a.num_nextn_predict_layers}; FP8 checkpoint: {'yes' if a.fp8_block_size else 'no'}")
+    mtp = ("present" if tier.with_mtp else "declared in config.json, absent from the checkpoint (MTP off)"
+           if a.num_nextn_predict_layers else "none")
+    click.echo(f"  MTP layer: {mtp}; FP8 checkpoint: {'yes' if a.fp8_block_size else 'no'}")
     click.echo(f"  parameters: {format_count(fp.total)} total, {format_count(fp.active)} active per token"
-               + (f" (+{format_count(fp.mtp_dense + fp.mtp_routed_experts)} MTP)" if fp.mtp_dense else ""))
-    click.echo(f"  bytes per component ({stored}):")
-    for k, v in comps.items():
+               + (f" (+{format_count(fp.mtp_dense + fp.mtp_routed_experts)} MTP)" if tier.with_mtp else ""))
+    click.echo(f"  bytes per component ({inv.stored}):")
+    for k, v in inv.params.items():
         if v:
-            click.echo(f"    {k:<20} {format_count(v):>8} params  {format_bytes(sizes[k]):>12}")
-    click.echo(f"  host tier when offloaded: {format_bytes(host_tier)} of routed-expert blobs ({stored.split(';')[0]})")
+            click.echo(f"    {k:<20} {format_count(v):>8} params  {format_bytes(inv.bytes[k]):>12}")
+    click.echo(f"  host tier when offloaded: {format_bytes(inv.host_tier_bytes)} of {tier.source.fmt.label} "
+               f"routed-expert blobs (as `plan` counts them)")
     values = f"{a.latent_dim} latent" + (f" + {a.index_dim} indexer-key" if a.index_dim else "")
     click.echo(f"  KV cache: {values} values/token/layer = {format_bytes(a.kv_bytes_per_token)} per token "
                f"(bf16, {a.num_hidden_layers} layers)")
@@ -382,7 +361,7 @@ def plan(weights, gpu_mem, ctx_size, experts, device, dtype, mtp, dense):
     from .utils import resolve_device, resolve_dtype
 
     root = resolve_weights(weights)
-    dev = resolve_device(device)
+    dev = resolve_device(device, present=False)          # a plan reads no weights: any machine can plan for CUDA
     dt = resolve_dtype(dtype, dev)
     args = ModelArgs.from_dir(root)
     ctx_size = min(ctx_size or DEFAULT_CTX_SIZE, args.max_position_embeddings)

@@ -116,6 +116,30 @@ def map_name(ckpt_name: str, args: ModelArgs) -> Target | None:
     return None
 
 
+def component_of(ckpt_name: str, args: ModelArgs) -> str | None:
+    """The footprint component a checkpoint tensor (or its FP8 scale, or a quantized layer's expert blobs) counts
+    in: embeddings | lm_head | attention+norms | dense MLPs | routers | shared experts | routed experts |
+    MTP (non-expert) | MTP routed experts; None for a tensor the model does not read."""
+    base = ckpt_name.removesuffix("_scale_inv")
+    m = _LAYER_RE.match(base)
+    in_mtp = m is not None and int(m.group(1)) == args.mtp_layer_id
+    target = map_name(base, args)
+    if base.endswith(BLOBS_SUFFIX) or (target is not None and target.expert is not None):
+        return "MTP routed experts" if in_mtp else "routed experts"
+    if target is None:
+        return None
+    name = target.name
+    if in_mtp:
+        return "MTP (non-expert)"
+    if name in ("embed.weight", "head.weight"):
+        return "embeddings" if name == "embed.weight" else "lm_head"
+    if ".ffn.gate." in name:
+        return "routers"
+    if ".ffn.shared_experts." in name:
+        return "shared experts"
+    return "dense MLPs" if ".ffn." in name else "attention+norms"
+
+
 def checkpoint_name(module_name: str, args: ModelArgs, expert: int | str = "<e>") -> str:
     """The reverse of `map_name`: module tensor name -> checkpoint name (routed experts: of expert `expert`)."""
     if module_name in _REVERSE["top"]:

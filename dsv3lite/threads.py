@@ -19,7 +19,7 @@ import time
 from .errors import UserError
 
 PROBE_STEPS = 4            # decode steps timed per candidate count (the first after a switch is not counted)
-REPROBE_S = (2.0, 32.0)    # seconds between measurements: doubled from the first while the choice holds
+REPROBE_S = (1.0, 4.0)     # seconds between measurements: doubled from the first while the choice holds
 SLOWDOWN = 1.6             # two steps this much slower than the chosen count's figure start a measurement now;
                            # a candidate this much slower than the round's best so far is dropped after one step
 
@@ -73,7 +73,7 @@ def candidates(limit: int) -> list[int]:
 class ThreadPolicy:
     """Intra-op threads of decode steps. Fixed (--threads N): N. Adaptive (the default): the fastest of
     `candidates(limit)`, each timed over PROBE_STEPS steps (the chosen count first; a count far slower than it is
-    dropped after one), measured again after 2 s of decoding (the interval doubling to 32 s while the choice
+    dropped after one), measured again after 1 s of decoding (the interval doubling to 4 s while the choice
     holds), or at once when steps run SLOWDOWN times slower than the chosen count's figure."""
 
     def __init__(self, limit: int, adaptive: bool = True, clock=time.perf_counter):

@@ -60,7 +60,7 @@ def test_adaptive_policy_drops_a_thread_when_a_core_is_taken_and_comes_back(one_
     assert used.count(2) * 40e-3 < 0.05 * busy.now
     busy.seconds[2] = 1e-3                                    # the other program ends
     used = busy.decode(p, 40000)
-    assert p.chosen == 2 and used[-1000:] == [2] * 1000
+    assert p.chosen == 2 and used[-30000:].count(1) < 0.01 * 30000   # back within seconds
 
 
 def test_fixed_policy_and_the_tiny_model_cap(one_thread):
