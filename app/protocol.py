@@ -38,7 +38,8 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> APIErro
 @dataclass
 class GenerationRequest:
     """A validated chat or completion request."""
-    sampling: dict                            # max_tokens, temperature, top_p, top_k, seed, stop
+    sampling: dict                            # max_tokens (None: the context's room), temperature, top_p, top_k,
+                                              # seed, stop
     stream: bool = False
     include_usage: bool = False
     messages: list[dict] | None = None        # chat
@@ -134,7 +135,7 @@ def _common(body: dict, defaults: dict, model_id: str) -> GenerationRequest:
     max_tokens = _int(body, "max_tokens", lo=1)
     max_completion = _int(body, "max_completion_tokens", lo=1)
     sampling = {
-        "max_tokens": max_completion or max_tokens or defaults.get("max_tokens", 256),
+        "max_tokens": max_completion or max_tokens or defaults.get("max_tokens"),    # None: up to the context
         "temperature": _pick(_number(body, "temperature", 0.0, 2.0), defaults.get("temperature", 0.0)),
         "top_p": _pick(_number(body, "top_p", 0.0, 1.0, lo_open=True), defaults.get("top_p", 1.0)),
         "top_k": _pick(_int(body, "top_k", lo=0), defaults.get("top_k", 0)),

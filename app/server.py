@@ -41,7 +41,7 @@ from .protocol import (APIError, chat_chunk, chat_response, completion_response,
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning, split_reasoning, uses_reasoning
 from .runner import EngineRunner
 
-MAX_BODY_BYTES = 1 << 20          # larger request bodies get 413
+MAX_BODY_BYTES = 1 << 20          # larger request bodies get 413 (serve --max-body)
 DRAIN_LIMIT = 64 << 20            # an oversized body is read and discarded up to this, so the client sees the 413
 
 
@@ -73,7 +73,8 @@ async def read_json(request: Request, limit: int):
         elif size > DRAIN_LIMIT:
             break
     if size > limit or (declared.isdigit() and int(declared) > limit):
-        raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        raise APIError(413, f"the request body is larger than {limit} bytes (the server's --max-body)",
+                       code="request_too_large")
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -126,7 +127,7 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
                system_prompt: str | None = None, reasoning: bool | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, log=None, ui_sampling: dict | None = None) -> FastAPI:
     """The FastAPI app serving `engine`. sampling: defaults for omitted request fields (max_tokens, temperature,
-    top_p, top_k, seed); ui_sampling: what the web UI's settings start at instead (e.g. chat's temperature);
+    top_p, top_k, seed; no max_tokens: a reply runs until it stops or fills the context); ui_sampling: what the web UI's settings start at instead (e.g. chat's temperature);
     reasoning: split <think> blocks (None: when the chat template uses them). `log` gets one line per request."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     defaults = dict(sampling or {})
@@ -196,7 +197,7 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
         try:
             body = await read_json(request, max_body_bytes)
             req = parse(body)
-            SamplingParams(**req.sampling)                       # the engine's own checks, before queueing
+            SamplingParams(**{**req.sampling, "max_tokens": req.sampling["max_tokens"] or 1})   # the engine's checks
             ids, extra = await asyncio.to_thread(encode, req)
             if not ids:
                 raise APIError(400, "the prompt is empty", "prompt")
@@ -204,6 +205,8 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
                 raise APIError(400, f"the prompt is {len(ids)} tokens but the context holds {engine.ctx_size} "
                                f"(shorten the prompt, or restart the server with a larger --ctx-size)",
                                "messages" if req.messages is not None else "prompt", "context_length_exceeded")
+            if req.sampling["max_tokens"] is None:                # as llama-server and ollama: to the context
+                req.sampling["max_tokens"] = engine.ctx_size - len(ids)
             return place, req, ids, extra
         except BaseException as e:
             runner.drop(place)
@@ -454,7 +457,7 @@ def _uvicorn_server(app, on_started=None, on_signal=None):
 
 def serve(load_engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, ui: bool = True,
           sampling: dict | None = None, system_prompt: str | None = None, log=None,
-          ui_sampling: dict | None = None) -> None:
+          ui_sampling: dict | None = None, max_body_bytes: int | None = None) -> None:
     """Bind, load the engine (load_engine()), print where to go, serve until Ctrl-C (one log line per request)."""
     import click
 
@@ -469,7 +472,7 @@ def serve(load_engine, host: str = "127.0.0.1", port: int = 8000, api_key: str |
     port = sock.getsockname()[1]
     engine = load_engine()
     app = create_app(engine, api_key=api_key, ui=ui, sampling=sampling, system_prompt=system_prompt, log=log,
-                     ui_sampling=ui_sampling)
+                     ui_sampling=ui_sampling, max_body_bytes=max_body_bytes or MAX_BODY_BYTES)
     if not is_loopback(host):
         log(f"warning: listening on {host}, reachable from other machines"
             + ("" if api_key else "; anyone who can reach it can use the model (consider --api-key)"))

@@ -19,8 +19,7 @@ from .errors import UserError
 from .offload.options import MISS_POLICIES, OffloadOptions
 from .offload.policy import POLICIES
 from .footprint import DENSE_DTYPES, DENSE_WEIGHT_BYTES
-from .quant.formats import FORMATS
-from .quant.int4 import GROUP_SIZES
+from .quant.names import FORMATS, INT4_GROUP_SIZES as GROUP_SIZES
 from .stats import summary
 from .utils import format_bytes, format_count, parse_size, write_problem
 
@@ -440,13 +439,15 @@ def trace(prompt, out, trace_lookahead, **o):
     rec = TraceRecorder(llm.model, trace_lookahead)
     stream = llm.generate(prompt, **_sampling(o))
     finish = None
-    try:
-        for i, chunk in enumerate(stream):
-            if i == 0:
-                rec.phase = "decode"              # events after the first token belong to decode steps
-            finish = chunk.finish_reason
-    finally:
-        stream.close()
+    with _token_progress(o["max_tokens"], "tracing") as advance:
+        try:
+            for i, chunk in enumerate(stream):
+                if i == 0:
+                    rec.phase = "decode"          # events after the first token belong to decode steps
+                finish = chunk.finish_reason
+                advance()
+        finally:
+            stream.close()
     a, stats = llm.args, llm.stats()
     layers = [m.layer_id for m in llm.model.moe_modules()]
     try:
@@ -462,43 +463,89 @@ def trace(prompt, out, trace_lookahead, **o):
                "routers predicted d layers ahead:")
     for line in _trace_summary(rec.events, layers, trace_lookahead, a.mtp_layer_id):
         click.echo(line)
-    click.echo(f"replay it against cache policies and sizes: python benchmarks/cache_sim.py --trace {out_path}")
+    click.echo(_replay_hint(out_path))
 
 
-def _serve(host, port, api_key, with_ui, o) -> None:
+def _replay_hint(trace_file: Path) -> str:
+    """Where the trace replayer is: benchmarks/cache_sim.py of the source tree, which an installed package lacks."""
+    sim = Path(__file__).resolve().parents[1] / "benchmarks" / "cache_sim.py"
+    if sim.is_file():
+        return f"replay it against cache policies and sizes: python {sim} --trace {trace_file}"
+    return (f"replay it against cache policies and sizes with benchmarks/cache_sim.py of the dsv3lite source tree "
+            f"(not installed with the package): python benchmarks/cache_sim.py --trace {trace_file}")
+
+
+@contextlib.contextmanager
+def _token_progress(total: int, what: str):
+    """Progress of a generation on stderr: a bar on a terminal, else a line at each quarter. Yields advance()."""
+    from tqdm import tqdm
+
+    from .utils import terminal_bar_fits
+
+    if terminal_bar_fits():
+        with tqdm(total=total, desc=what, unit="tok", file=sys.stderr, leave=False) as bar:
+            yield bar.update
+        return
+    count = [0]
+
+    def advance():
+        count[0] += 1
+        if count[0] * 4 // total > (count[0] - 1) * 4 // total:
+            log(f"{what}: {count[0]}/{total} tokens")
+    yield advance
+
+
+def _serve(host, port, api_key, with_ui, max_body, o) -> None:
     from .app.server import serve as run_server
 
     given = click.get_current_context().get_parameter_source
+    default = click.core.ParameterSource.DEFAULT
     ui_sampling = {k: v for k, v in CHAT_SAMPLING.items()                 # the web UI is a chat: it samples
-                   if given({"temperature": "temp", "top_p": "top_p"}[k]) == click.core.ParameterSource.DEFAULT}
-    run_server(lambda: _engine(o), host=host, port=port, api_key=api_key, ui=with_ui, sampling=_sampling(o),
-               ui_sampling=ui_sampling, system_prompt=o["system_prompt"], log=log)
+                   if given({"temperature": "temp", "top_p": "top_p"}[k]) == default}
+    sampling = _sampling(o)
+    if given("max_tokens") == default:          # requests without max_tokens run to the context (llama-server's way)
+        sampling["max_tokens"] = None
+    run_server(lambda: _engine(o), host=host, port=port, api_key=api_key, ui=with_ui, sampling=sampling,
+               ui_sampling=ui_sampling, system_prompt=o["system_prompt"], log=log, max_body_bytes=max_body)
+
+
+def server_options(port: int, key_help: str):
+    """--host, --port, --api-key and --max-body of serve and ui."""
+    opts = [
+        click.option("--host", default="127.0.0.1", show_default=True,
+                     help="Address to listen on (anything but loopback is reachable from other machines)."),
+        click.option("--port", type=click.IntRange(0, 65535), default=port, show_default=True,
+                     help="TCP port to listen on (0: any free port)."),
+        click.option("--api-key", default=None, help=key_help),
+        click.option("--max-body", type=SIZE, default=None,
+                     help="Largest request body (413 past it); a long prompt sent as token ids needs more.  "
+                          "[default: 1M, app/server.py's MAX_BODY_BYTES]"),
+    ]
+
+    def decorate(fn):
+        for opt in reversed(opts):
+            fn = opt(fn)
+        return fn
+    return decorate
 
 
 @cli.command(short_help="OpenAI-compatible API at /v1 and the web UI at /.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on (anything but loopback is reachable from other machines).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
-              help="TCP port to listen on (0: any free port).")
-@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 (and KEY to open the UI).")
+@server_options(8000, "Require 'Authorization: Bearer KEY' on /v1 (and KEY to open the UI).")
 @click.option("--ui/--no-ui", "with_ui", default=True, show_default=True, help="Serve the web UI at / (needs gradio).")
 @engine_options()
-def serve(host, port, api_key, with_ui, **o):
-    """OpenAI-compatible API at /v1 and the web UI at /, over one engine. --temp and --top-p are the defaults of
-    API requests that leave them out (greedy unless given); the web UI's settings start at chat's sampling."""
-    _serve(host, port, api_key, with_ui, o)
+def serve(host, port, api_key, max_body, with_ui, **o):
+    """OpenAI-compatible API at /v1 and the web UI at /, over one engine. --temp, --top-p and -m are the defaults of
+    API requests that leave them out (greedy unless given; without -m a reply runs until it stops or fills the
+    context, as llama-server's and ollama's do); the web UI's settings start at chat's sampling."""
+    _serve(host, port, api_key, with_ui, max_body, o)
 
 
 @cli.command(short_help="The web UI (port 7860), with the API alongside.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on (anything but loopback is reachable from other machines).")
-@click.option("--port", type=click.IntRange(0, 65535), default=7860, show_default=True,
-              help="TCP port to listen on (0: any free port).")
-@click.option("--api-key", default=None, help="Require KEY to open the UI and on /v1.")
+@server_options(7860, "Require KEY to open the UI and on /v1.")
 @engine_options()
-def ui(host, port, api_key, **o):
+def ui(host, port, api_key, max_body, **o):
     """The web UI in your browser (open the printed URL); the OpenAI API is served alongside at /v1."""
-    _serve(host, port, api_key, True, o)
+    _serve(host, port, api_key, True, max_body, o)
 
 
 class Terminated(KeyboardInterrupt):
@@ -522,6 +569,27 @@ def _sigterm_stops():
 
 
 def main(argv=None) -> int:
+    """The command line: argv (default sys.argv[1:]) -> exit status. Run as the `dsv3lite` program (argv None) it
+    ends the process itself once the command is done (_exit_now)."""
+    rc = _main(argv)
+    if argv is None:
+        _exit_now(rc)
+    return rc
+
+
+def _exit_now(rc: int) -> None:
+    """Exit handlers run and output is flushed, then the process ends without the interpreter's teardown of torch
+    and its kin, which kept a finished `generate` alive 1-3 s after its last line."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(rc)
+
+
+def _main(argv) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         with _sigterm_stops():

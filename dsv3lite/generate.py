@@ -233,7 +233,7 @@ class Engine:
             "prompt_tokens": s.prompt_tokens,
             "cached_prompt_tokens": s.cached_prompt_tokens,
             "generated_tokens": s.generated_tokens,
-            "mtp": self.speculator.stats(s.drafted, s.accepted, decode_tokens, s.main_forwards),
+            "mtp": self.speculator.stats(s.drafted, s.accepted, s.main_forwards),
             "expert_cache": expert,
             "memory": self._memory(),
             "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,

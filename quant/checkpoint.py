@@ -592,6 +592,32 @@ def format_duration(seconds: float) -> str:
     return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
+class Eta:
+    """Seconds left of `total` items, at the rate measured after the first `warm` of them: their time holds one-off
+    costs (the first reads from a cold disk, thread and kernel start-up) that made a first ETA 4-15x too long."""
+
+    def __init__(self, total: int, warm: int, clock=time.perf_counter):
+        self.total, self.warm, self.clock = total, min(warm, total), clock
+        self.t0 = clock()
+        self.mark: tuple[float, int] | None = None        # (clock, done) when the warm-up ended
+        self.per_item = 0.0
+
+    def update(self, done: int) -> float:
+        """The ETA once `done` items are finished; `per_item` holds the seconds per item it assumes."""
+        now = self.clock()
+        if self.mark is None and done >= self.warm:
+            self.mark = (now, done)
+        if self.mark is None or done == self.mark[1]:
+            self.per_item = (now - self.t0) / max(done, 1)
+        else:
+            self.per_item = (now - self.mark[0]) / (done - self.mark[1])
+        return (self.total - done) * self.per_item
+
+    def first(self, done: int) -> bool:
+        """Whether `done` items are the point to state the ETA up front (as many again past the warm-up)."""
+        return done == min(self.total, 2 * self.warm)
+
+
 def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progress: bool, log,
                    device: torch.device, workers: int) -> None:
     from tqdm import tqdm
@@ -604,6 +630,7 @@ def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progre
     jobs = [(layer, e) for layer in todo for e in range(n_experts)]
     where = f"{workers} worker{'s' if workers != 1 else ''} on {device.type}"
     t0, done, done_bytes = time.perf_counter(), 0, 0
+    eta_clock = Eta(total, max(workers, 2))
     with TensorFileWriter.reopen(plan.partial / EXPERTS_FILE, plan.experts_file_entries(),
                                  plan.experts_metadata()) as out, \
             tqdm(total=len(plan.moe_layers) * n_experts, initial=len(state["layers_done"]) * n_experts,
@@ -615,9 +642,9 @@ def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progre
             out.write_row(blob_name(layer), e, blob)
             done, done_bytes = done + 1, done_bytes + plan.expert_src_bytes
             elapsed = time.perf_counter() - t0
-            eta = (total - done) * elapsed / done
-            if done == min(total, max(workers, 2)):  # the first experts timed: the ETA up front
-                say(f"{plan.fmt.label} experts: {elapsed / done:.2f} s per expert ({where}), {total} to pack: "
+            eta = eta_clock.update(done)
+            if eta_clock.first(done):             # the first experts timed: the ETA up front
+                say(f"{plan.fmt.label} experts: {eta_clock.per_item:.2f} s per expert ({where}), {total} to pack: "
                     f"ETA {format_duration(eta)}")
             bar.set_postfix_str(f"layer {layer}, {format_bytes(done_bytes / elapsed)}/s, "
                                 f"ETA {format_duration(eta)}", refresh=False)

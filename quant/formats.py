@@ -9,6 +9,7 @@ from .fp8 import Fp8Format
 from .int4 import Int4Format
 from .int8 import Int8Format
 from .layout import ALIGN, BlobLayout, Component, ExpertFormat, swiglu_ref
+from .names import FORMATS
 from .nf4 import Nf4Format
 
 FORMAT_CLASSES: dict[str, type[ExpertFormat]] = {
@@ -18,7 +19,7 @@ FORMAT_CLASSES: dict[str, type[ExpertFormat]] = {
     "int8": Int8Format,
     "nf4": Nf4Format,
 }
-FORMATS = tuple(FORMAT_CLASSES)
+assert tuple(FORMAT_CLASSES) == FORMATS, "a format's name goes in quant/names.py too (the CLI's choices)"
 
 
 def get_format(name: str, group_size: int | None = None) -> ExpertFormat:

@@ -150,6 +150,18 @@ def test_trace_writes_and_summarises(capsys, tmp_path, v3_dir):
     hits = sum(len(used & trace.predictions[(step, layer)][1]) for step, used in steps)
     assert rows[str(layer)][1] == f"{hits / sum(len(u) for _, u in steps):.0%}"   # the "1 ahead" column
     assert rows[str(layer)][0] == str(len(set().union(*(u for _, u in steps))))
+    progress = [l for l in err.splitlines() if l.startswith("tracing: ")]
+    assert progress and progress[-1] == "tracing: 6/6 tokens"                      # no terminal: a line a quarter
+    hint = out.strip().splitlines()[-1]
+    assert hint.startswith("replay it") and str(out_file) in hint
+    sim = Path(hint.split("python ", 1)[1].split(" --trace")[0])
+    assert sim.is_file() and sim.name == "cache_sim.py"                            # (a source checkout here)
+
+
+def test_the_replay_hint_of_an_installed_package(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli_module, "__file__", str(tmp_path / "site-packages" / "dsv3lite" / "cli.py"))
+    hint = cli_module._replay_hint(tmp_path / "t.jsonl")
+    assert "source tree (not installed with the package)" in hint
 
 
 def _with_mid_stream_note(monkeypatch):
@@ -324,3 +336,28 @@ def test_plan_for_cuda_works_on_any_machine(capsys, v3_dir):
     assert rc == 0 and "on cuda (bfloat16)" in out and "2.50 GiB" in out      # 4 GiB less the CUDA reserve
     rc, _, err = run(capsys, "plan", "-w", v3_dir, "--gpu-mem", "auto", "--device", "cuda")
     one_line_error(rc, err, "give a size")
+
+
+def test_help_imports_no_torch():
+    code = "import sys\nfrom dsv3lite.cli import main\nmain(['--help'])\nprint('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip().endswith("False") and "Commands:" in r.stdout
+
+
+def test_the_program_ends_when_its_command_is_done(monkeypatch, capsys):
+    """Run as the program (argv None), exit handlers run and output is flushed, then the process ends at once (the
+    interpreter's teardown of torch kept a finished command alive 1-3 s)."""
+    import atexit
+
+    calls = []
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: calls.append("exit handlers"))   # (not this process's)
+    monkeypatch.setattr(sys, "argv", ["dsv3lite", "--version"])
+
+    def exit_now(rc):
+        calls.append(rc)
+        raise SystemExit(rc)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    with pytest.raises(SystemExit):
+        main()
+    assert calls == ["exit handlers", 0] and "version" in capsys.readouterr().out
+    assert main(["--version"]) == 0 and calls == ["exit handlers", 0]   # called with argv (tests, scripts): returns
