@@ -11,11 +11,13 @@ alternate too, so both see the same machine):
 Workloads: the bundled demo, 64-token prompt then 128 tokens, fp32 (llama.cpp: GGUF F32); a DeepSeek-V3 slice at
 its real widths (benchmarks/cpu_peer.py's: 3 layers, 1 dense, 16 experts), 16-token prompt then 32 tokens, int4
 experts and int4 dense weights (llama.cpp: Q4_0, run with --repack 0 where its repacking aborts on this graph).
-Goal (issue 27): with one core busy, the default keeps >= 0.5x of its quiet decode figure.
+Goal (issue 27): with one core busy, the default keeps >= 0.5x of its quiet decode figure. The machine's other
+programs are measured in every round (/proc/stat less this process tree's CPU time): rounds in which they took more
+than DISTURBED cores are left out of the medians (a quiet round with a stranger's load is not quiet).
 
 llama.cpp is built and the checkpoints converted as benchmarks/cpu_peer.py does (its helpers and cache folder).
 
-    python benchmarks/contention.py                       # both workloads, 3 rounds
+    python benchmarks/contention.py                       # both workloads, 5 rounds
     python benchmarks/contention.py --workloads demo --rounds 5 --no-llama
 """
 from __future__ import annotations
@@ -38,22 +40,40 @@ from cpu_peer import (CACHE, DEMO_CONFIGS, SLICE_CONFIGS, NO_REPACK, demo_prompt
                       llama_bench, log, slice_dir, wait_for_quiet)
 
 CONDITIONS = ("quiet", "busy")
+DISTURBED = 0.15             # a round whose other programs took more than this many cores is left out of the medians
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has run (every process), from /proc/stat."""
+    fields = [int(v) for v in open("/proc/stat").readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")      # less idle and iowait
+
+
+def own_s() -> float:
+    """CPU seconds of this process and its finished children (llama-bench, the hog once reaped)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 @contextlib.contextmanager
-def busy_core(on: bool):
-    """While on: a process spinning on the last core this process may use."""
-    if not on:
-        yield None
-        return
-    core = max(os.sched_getaffinity(0))
-    hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
-    time.sleep(0.5)                                    # running before the first measured token
+def busy_core(on: bool, others: list):
+    """While on: a process spinning on the last core this process may use. Appends to `others` the cores other
+    programs used meanwhile (the machine's CPU time less this process's, its children's and the hog's)."""
+    t0, machine0, own0 = time.perf_counter(), machine_busy_s(), own_s()
+    hog = None
+    if on:
+        core = max(os.sched_getaffinity(0))
+        hog = subprocess.Popen([sys.executable, "-c",
+                                f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+        time.sleep(0.5)                                # running before the first measured token
     try:
-        yield core
+        yield
     finally:
-        hog.kill()
-        hog.wait()
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+        wall = time.perf_counter() - t0
+        others.append(max(machine_busy_s() - machine0 - (own_s() - own0), 0.0) / wall)
 
 
 def workloads(names: list[str]) -> dict:
@@ -84,6 +104,7 @@ def measure(name: str, spec, cores: int, rounds: int, with_llama: bool) -> dict:
     all_cores = dsv3lite.load(str(path), threads=cores, **opts, **quiet)
     model = gguf(path, kind, CACHE / "bench" / gguf_dir, base) if with_llama else None
     rows = {c: {} for c in CONDITIONS}
+    others = {c: [] for c in CONDITIONS}
 
     def run_default():
         torch.set_num_threads(cores)                   # what the CLI sets for a default run
@@ -104,13 +125,15 @@ def measure(name: str, spec, cores: int, rounds: int, with_llama: bool) -> dict:
     run_default(), run_one(), run_all()                # warm: kernels compiled, caches filled
     for r in range(rounds):
         for condition in CONDITIONS:
-            with busy_core(condition == "busy"):
+            with busy_core(condition == "busy", others[condition]):
                 for row, run in runs.items():
                     rows[condition].setdefault(row, []).append(run())
-            log(f"{name} round {r + 1}/{rounds} {condition}: " + ", ".join(
-                f"{k} {v[-1]['decode']:.1f}" for k, v in rows[condition].items()))
-    res = {c: {k: {m: statistics.median(x[m] for x in v) for m in ("prefill", "decode")} for k, v in rows[c].items()}
-           for c in CONDITIONS}
+            log(f"{name} round {r + 1}/{rounds} {condition} (other programs: {others[condition][-1]:.2f} cores): "
+                + ", ".join(f"{k} {v[-1]['decode']:.1f}" for k, v in rows[condition].items()))
+    clean = [r for r in range(rounds) if max(others[c][r] for c in CONDITIONS) <= DISTURBED] or list(range(rounds))
+    res = {c: {k: {m: statistics.median(v[r][m] for r in clean) for m in ("prefill", "decode")}
+               for k, v in rows[c].items()} for c in CONDITIONS}
+    res["rounds"] = {"all": rounds, "kept": len(clean), "others_cores": others, "rows": rows}
     res["chosen_threads"] = default.threads.chosen
     res["repack"] = model is None or model not in NO_REPACK
     res["llama_kind"] = kind
@@ -128,6 +151,9 @@ def print_table(name: str, spec, res: dict, cores: int) -> None:
         print(f"| {row} | {q['decode']:.1f} | {b['decode']:.1f} | {b['decode'] / q['decode']:.2f}x | "
               f"{q['prefill']:.0f} | {b['prefill']:.0f} |")
     base = res["quiet"]["dsv3lite default"]["decode"]
+    kept = res["rounds"]
+    print(f"\nMedians of the {kept['kept']} of {kept['all']} rounds in which other programs took at most "
+          f"{DISTURBED} cores.")
     print(f"\nGoal: dsv3lite default busy >= 0.5x its quiet figure: "
           f"{res['busy']['dsv3lite default']['decode'] / base:.2f}x. Threads the default settled on at the end: "
           f"{res['chosen_threads']} of {cores}.")
@@ -136,7 +162,7 @@ def print_table(name: str, spec, res: dict, cores: int) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="demo,slice")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-llama", action="store_true", help="dsv3lite rows only")
     ap.add_argument("--quiet", type=float, default=0.5, help="wait for a 1-minute load below this")
     ap.add_argument("--wait", type=float, default=600, help="seconds to wait for it at most")

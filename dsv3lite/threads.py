@@ -74,7 +74,8 @@ class ThreadPolicy:
     """Intra-op threads of decode steps. Fixed (--threads N): N. Adaptive (the default): the fastest of
     `candidates(limit)`, each timed over PROBE_STEPS steps (the chosen count first; a count far slower than it is
     dropped after one), measured again after 1 s of decoding (the interval doubling to 4 s while the choice
-    holds), or at once when steps run SLOWDOWN times slower than the chosen count's figure."""
+    holds), after a pause of over 1 s (a new reply), or at once when steps run SLOWDOWN times slower than the chosen
+    count's figure."""
 
     def __init__(self, limit: int, adaptive: bool = True, clock=time.perf_counter):
         self.limit, self.adaptive, self.clock = limit, adaptive, clock
@@ -87,6 +88,7 @@ class ThreadPolicy:
         self._interval = REPROBE_S[0]
         self._slow: list[float] = []              # consecutive steps past SLOWDOWN times the chosen figure
         self._slowed: dict[int, float] = {}       # the chosen count's figure from those steps
+        self._last_step = None                    # clock at the end of the last step
         self.rounds = 0
 
     def current(self, cap: int | None = None) -> int:
@@ -118,7 +120,10 @@ class ThreadPolicy:
         limit = self._limit(cap)
         if not self.adaptive or limit == 1:
             return limit
-        if not self._queue and (self._since is None or self.clock() - self._since > self._interval):
+        now = self.clock()
+        if self._last_step is not None and now - self._last_step > REPROBE_S[0]:
+            self._since, self._interval = None, REPROBE_S[0]      # idle a while (between replies): measure afresh
+        if not self._queue and (self._since is None or now - self._since > self._interval):
             first = min(self.chosen, limit)               # its figure is the bar the others must beat
             self._samples, self.round = [], dict(self._slowed)   # (after a slowdown: its slow steps' figure)
             self._queue = [c for c in dict.fromkeys([first, *candidates(limit)]) if c not in self.round]
@@ -126,6 +131,7 @@ class ThreadPolicy:
         return self._queue[0] if self._queue else min(self.chosen, limit)
 
     def _record(self, n: int, seconds: float, cap: int | None) -> None:
+        self._last_step = self.clock()
         if not self.adaptive or self._limit(cap) == 1:
             return
         if not self._queue:                       # exploiting: a slowdown (a core taken) measures again now

@@ -63,6 +63,17 @@ def test_adaptive_policy_drops_a_thread_when_a_core_is_taken_and_comes_back(one_
     assert p.chosen == 2 and used[-30000:].count(1) < 0.01 * 30000   # back within seconds
 
 
+def test_a_new_reply_measures_afresh(one_thread):
+    m = Machine({2: 40e-3, 1: 20e-3})                         # busy: one thread is faster
+    p = threads.ThreadPolicy(2, clock=m.clock)
+    m.decode(p, 200)
+    assert p.chosen == 1
+    m.seconds[2] = 10e-3                                      # the other program ended while nothing decoded
+    m.now += 5.0
+    used = m.decode(p, 12)
+    assert p.chosen == 2 and used[-2:] == [2, 2]              # the next reply is back on both cores at once
+
+
 def test_fixed_policy_and_the_tiny_model_cap(one_thread):
     m = Machine({1: 1e-3, 2: 9.0, 3: 9.0})
     assert set(m.decode(threads.ThreadPolicy(3, adaptive=False, clock=m.clock), 50, cap=1)) == {1}
