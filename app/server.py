@@ -127,8 +127,8 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
                system_prompt: str | None = None, reasoning: bool | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, log=None, ui_sampling: dict | None = None) -> FastAPI:
     """The FastAPI app serving `engine`. sampling: defaults for omitted request fields (max_tokens, temperature,
-    top_p, top_k, seed; no max_tokens: a reply runs until it stops or fills the context); ui_sampling: what the web UI's settings start at instead (e.g. chat's temperature);
-    reasoning: split <think> blocks (None: when the chat template uses them). `log` gets one line per request."""
+    top_p, top_k, seed; no max_tokens: a reply runs until it stops or fills the context); ui_sampling: what the
+    web UI's settings start at instead (e.g. chat's temperature); reasoning: split <think> blocks (None: when the chat template uses them). `log` gets one line per request."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     defaults = dict(sampling or {})
     model_id = model_name(engine)

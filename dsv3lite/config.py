@@ -196,7 +196,8 @@ class ModelArgs:
             block = quant.get("weight_block_size") or (128, 128)
             if not (isinstance(block, (list, tuple)) and len(block) == 2 and
                     all(config_rules.POSITIVE_INT.problem(b) is None for b in block)):
-                raise UserError(f"config: quantization_config.weight_block_size must be two integers >= 1, got {block!r}")
+                raise UserError(f"config: quantization_config.weight_block_size must be two integers >= 1, got "
+                                f"{block!r}")
             kw["fp8_block_size"] = tuple(block)
         try:
             return cls(**kw)

@@ -37,7 +37,9 @@ class Rule:
         if self.kind == "str":
             if not isinstance(value, str):
                 return "must be a string"
-            return None if self.choices is None or value in self.choices else f"must be one of {', '.join(self.choices)}"
+            if self.choices is not None and value not in self.choices:
+                return f"must be one of {', '.join(self.choices)}"
+            return None
         number = (int,) if self.kind == "int" else (int, float)
         if isinstance(value, bool) or not isinstance(value, number):
             return f"must be {'an integer' if self.kind == 'int' else 'a number'}"

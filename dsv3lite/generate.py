@@ -140,7 +140,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, ctx_size: int = 4096,
                  mtp: bool = True, weights: str | None = None, log=None, num_draft_tokens: int = 1,
-                 mtp_adaptive: bool = True, offload=None, cuda_graphs: bool = True, threads: ThreadPolicy | None = None):
+                 mtp_adaptive: bool = True, offload=None, cuda_graphs: bool = True,
+                 threads: ThreadPolicy | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype

@@ -36,8 +36,8 @@ import torch
 
 from ..config import ModelArgs
 from ..errors import UserError
-from ..hf_checkpoint import (BLOBS_SUFFIX, FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader, check_fp8_scale,
-                             expert_tensor_name, map_name, mtp_status)
+from ..hf_checkpoint import (BLOBS_SUFFIX, FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader,
+                             check_fp8_scale, expert_tensor_name, map_name, mtp_status)
 from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits, write_problem
 from .formats import format_for_layout, get_format
 from .fp8 import fp8_block_dequant
