@@ -20,8 +20,8 @@ from .errors import UserError
 
 PROBE_STEPS = 4            # decode steps timed per candidate count (the first after a switch is not counted)
 REPROBE_S = (1.0, 4.0)     # seconds between measurements: doubled from the first while the choice holds
-SLOWDOWN = 1.6             # two steps this much slower than the chosen count's figure start a measurement now;
-                           # a candidate this much slower than the round's best so far is dropped after one step
+SLOWDOWN = 1.6             # two steps this much slower than the chosen count's figure start a measurement now
+HOPELESS = 1.1             # a candidate whose first timed step is this much slower than the round's best is dropped
 
 
 def physical_cores() -> int:
@@ -72,8 +72,8 @@ def candidates(limit: int) -> list[int]:
 
 class ThreadPolicy:
     """Intra-op threads of decode steps. Fixed (--threads N): N. Adaptive (the default): the fastest of
-    `candidates(limit)`, each timed over PROBE_STEPS steps (the chosen count first; a count far slower than it is
-    dropped after one), measured again after 1 s of decoding (the interval doubling to 4 s while the choice
+    `candidates(limit)`, each timed over PROBE_STEPS steps (the chosen count first; a count HOPELESS times slower
+    than the best so far is dropped after one), measured again after 1 s of decoding (the interval doubling to 4 s while the choice
     holds), after a pause of over 1 s (a new reply), or at once when steps run SLOWDOWN times slower than the chosen
     count's figure."""
 
@@ -145,7 +145,7 @@ class ThreadPolicy:
             return
         self._samples.append(seconds)
         best = min((self.round[c] for c in self.round), default=None)
-        hopeless = len(self._samples) == 2 and best is not None and seconds > SLOWDOWN * best
+        hopeless = len(self._samples) == 2 and best is not None and seconds > HOPELESS * best
         if len(self._samples) <= PROBE_STEPS and not hopeless:
             return
         self.round[n] = self.figures[n] = statistics.median(self._samples[1:])
