@@ -73,9 +73,9 @@ def candidates(limit: int) -> list[int]:
 class ThreadPolicy:
     """Intra-op threads of decode steps. Fixed (--threads N): N. Adaptive (the default): the fastest of
     `candidates(limit)`, each timed over PROBE_STEPS steps (the chosen count first; a count HOPELESS times slower
-    than the best so far is dropped after one), measured again after 1 s of decoding (the interval doubling to 4 s while the choice
-    holds), after a pause of over 1 s (a new reply), or at once when steps run SLOWDOWN times slower than the chosen
-    count's figure."""
+    than the best so far is dropped after one), measured again after 1 s of decoding (the interval doubling to 4 s
+    while the choice holds), after a pause of over 1 s (a new reply), or at once when steps run SLOWDOWN times
+    slower than the chosen count's figure."""
 
     def __init__(self, limit: int, adaptive: bool = True, clock=time.perf_counter):
         self.limit, self.adaptive, self.clock = limit, adaptive, clock
