@@ -10,7 +10,7 @@ import sys
 import click
 
 from .console import console, dim, input_text, log, unknown_ids_note
-from .errors import UserError
+from .errors import Terminated, UserError
 from .stats import summary
 
 CHAT_HELP = """commands:
@@ -154,7 +154,9 @@ def chat_loop(llm, sampling: dict, base: list[dict]) -> None:
             except EOFError:
                 click.echo()
                 return
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as e:
+                if isinstance(e, Terminated):
+                    raise
                 click.echo()
                 log("(use /exit or Ctrl-D to leave)")
                 continue
@@ -201,7 +203,9 @@ def _reply(llm, sampling: dict, history: list[dict], keep: int) -> None:
                 finish = chunk.finish_reason
                 click.echo(chunk.text, nl=False)
                 sys.stdout.flush()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            if isinstance(e, Terminated):
+                raise
             finish = "stopped"
             log(dim("[stopped]"))
         finally:

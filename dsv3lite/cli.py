@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from .console import console, dim, input_text, log, unknown_ids_note
-from .errors import UserError
+from .errors import Terminated, UserError
 from .offload.options import MISS_POLICIES, OffloadOptions
 from .offload.policy import POLICIES
 from .footprint import DENSE_DTYPES, DENSE_WEIGHT_BYTES
@@ -546,11 +546,6 @@ def serve(host, port, api_key, max_body, with_ui, **o):
 def ui(host, port, api_key, max_body, **o):
     """The web UI in your browser (open the printed URL); the OpenAI API is served alongside at /v1."""
     _serve(host, port, api_key, True, max_body, o)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (docker stop, systemd, kill), raised where the program is, so it stops as on Ctrl-C: files closed,
-    and what can be resumed said (quantize)."""
 
 
 @contextlib.contextmanager

@@ -72,8 +72,8 @@ def candidates(limit: int) -> list[int]:
 
 class ThreadPolicy:
     """Intra-op threads of decode steps. Fixed (--threads N): N. Adaptive (the default): the fastest of
-    `candidates(limit)`, each timed over PROBE_STEPS steps (the chosen count first; a count HOPELESS times slower
-    than the best so far is dropped after one), measured again after 1 s of decoding (the interval doubling to 4 s
+    `candidates(limit)`, each timed over PROBE_STEPS steps (the chosen count first, cut to one when SLOWDOWN times
+    slower than its last figure; a count HOPELESS times slower than the best so far is dropped after one), measured again after 1 s of decoding (the interval doubling to 4 s
     while the choice holds), after a pause of over 1 s (a new reply), or at once when steps run SLOWDOWN times
     slower than the chosen count's figure."""
 
@@ -145,7 +145,9 @@ class ThreadPolicy:
             return
         self._samples.append(seconds)
         best = min((self.round[c] for c in self.round), default=None)
-        hopeless = len(self._samples) == 2 and best is not None and seconds > HOPELESS * best
+        before = self.figures.get(n)                  # (the chosen count, slowed since: a core taken meanwhile)
+        hopeless = len(self._samples) == 2 and ((best is not None and seconds > HOPELESS * best)
+                                                or (best is None and before is not None and seconds > SLOWDOWN * before))
         if len(self._samples) <= PROBE_STEPS and not hopeless:
             return
         self.round[n] = self.figures[n] = statistics.median(self._samples[1:])

@@ -74,6 +74,16 @@ def test_a_new_reply_measures_afresh(one_thread):
     assert p.chosen == 2 and used[-2:] == [2, 2]              # the next reply is back on both cores at once
 
 
+def test_a_reply_that_finds_a_core_taken_pays_two_slow_steps(one_thread):
+    m = Machine({2: 1e-3, 1: 1.7e-3})
+    p = threads.ThreadPolicy(2, clock=m.clock)
+    m.decode(p, 300)
+    assert p.chosen == 2
+    m.seconds[2], m.now = 40e-3, m.now + 5.0                  # between replies, another program took a core
+    used = m.decode(p, 40)
+    assert p.chosen == 1 and used.count(2) == 2 and used[2:] == [1] * 38
+
+
 def test_fixed_policy_and_the_tiny_model_cap(one_thread):
     m = Machine({1: 1e-3, 2: 9.0, 3: 9.0})
     assert set(m.decode(threads.ThreadPolicy(3, adaptive=False, clock=m.clock), 50, cap=1)) == {1}

@@ -95,3 +95,19 @@ def test_keys_typed_while_a_reply_streams_are_not_echoed_nor_kept(monkeypatch):
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_sigterm_ends_the_chat_not_just_the_line(capsys, monkeypatch, v3_dir):
+    """Ctrl-C at the prompt keeps the chat (a note); SIGTERM (kill, docker stop) ends it: 143, one line."""
+    import signal
+    import time
+
+    from dsv3lite import chat_repl
+
+    def terminated(editing):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the chat")
+    monkeypatch.setattr(chat_repl, "read_message", terminated)
+    rc, out, err = run(capsys, monkeypatch, b"", "chat", "-w", v3_dir)
+    assert rc == 143 and err.strip().splitlines()[-1] == "terminated (SIGTERM)"
