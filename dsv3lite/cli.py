@@ -18,7 +18,7 @@ from .console import console, dim, input_text, log, unknown_ids_note
 from .errors import Terminated, UserError
 from .offload.options import MISS_POLICIES, OffloadOptions
 from .offload.policy import POLICIES
-from .footprint import DENSE_DTYPES, DENSE_WEIGHT_BYTES
+from .footprint import DENSE_DTYPES
 from .quant.names import FORMATS, INT4_GROUP_SIZES as GROUP_SIZES
 from .stats import summary
 from .utils import format_bytes, format_count, parse_size, write_problem

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dsv3lite
 from dsv3lite import threads
 from dsv3lite.cli import main
 from dsv3lite.errors import UserError
