@@ -18,7 +18,8 @@ import time
 
 from .errors import UserError
 
-PROBE_STEPS = 4            # decode steps timed per candidate count (the first after a switch is not counted)
+PROBE_STEPS = 4            # decode steps timed per candidate count (the first after a switch is not counted); a
+                           # count's figure is its fastest
 REPROBE_S = (1.0, 4.0)     # seconds between measurements: doubled from the first while the choice holds
 SLOWDOWN = 1.6             # two steps this much slower than the chosen count's figure start a measurement now
 HOPELESS = 1.1             # a candidate whose first timed step is this much slower than the round's best is dropped
@@ -73,14 +74,14 @@ def candidates(limit: int) -> list[int]:
 class ThreadPolicy:
     """Intra-op threads of decode steps. Fixed (--threads N): N. Adaptive (the default): the fastest of
     `candidates(limit)`, each timed over PROBE_STEPS steps (the chosen count first, cut to one when SLOWDOWN times
-    slower than its last figure; a count HOPELESS times slower than the best so far is dropped after one), measured again after 1 s of decoding (the interval doubling to 4 s
+    slower than its last figure; more threads than the best so far, HOPELESS times slower, dropped after one), measured again after 1 s of decoding (the interval doubling to 4 s
     while the choice holds), after a pause of over 1 s (a new reply), or at once when steps run SLOWDOWN times
     slower than the chosen count's figure."""
 
     def __init__(self, limit: int, adaptive: bool = True, clock=time.perf_counter):
         self.limit, self.adaptive, self.clock = limit, adaptive, clock
         self.chosen = limit
-        self.figures: dict[int, float] = {}       # count -> median seconds per step when last measured
+        self.figures: dict[int, float] = {}       # count -> seconds of its fastest step when last measured
         self.round: dict[int, float] = {}         # the same, of the round being measured
         self._queue: list[int] = []               # counts still to measure in this round
         self._samples: list[float] = []
@@ -144,13 +145,17 @@ class ThreadPolicy:
         if n != self._queue[0]:
             return
         self._samples.append(seconds)
-        best = min((self.round[c] for c in self.round), default=None)
-        before = self.figures.get(n)                  # (the chosen count, slowed since: a core taken meanwhile)
-        hopeless = len(self._samples) == 2 and ((best is not None and seconds > HOPELESS * best)
-                                                or (best is None and before is not None and seconds > SLOWDOWN * before))
+        # cut short: more threads than the best so far (or, measured first, than one) that are plainly slower, as
+        # threads waiting at barriers for a busy core are; a lone thread keeps its steps (it may start on that core)
+        best = min(self.round, key=self.round.get, default=None)
+        before = self.figures.get(n)
+        hopeless = len(self._samples) == 2 and (
+            (best is not None and n > best and seconds > HOPELESS * self.round[best])
+            or (best is None and n > 1 and before is not None and seconds > SLOWDOWN * before))
         if len(self._samples) <= PROBE_STEPS and not hopeless:
             return
-        self.round[n] = self.figures[n] = statistics.median(self._samples[1:])
+        # the fastest timed step: a lone thread that starts on the busy core runs slow until the scheduler moves it
+        self.round[n] = self.figures[n] = min(self._samples[1:])
         self._samples = []
         self._queue.pop(0)
         if not self._queue:                       # a round is measured: keep the fastest

@@ -83,6 +83,25 @@ def test_a_reply_that_finds_a_core_taken_pays_two_slow_steps(one_thread):
     assert p.chosen == 1 and used.count(2) == 2 and used[2:] == [1] * 38
 
 
+def test_a_lone_thread_that_starts_on_the_busy_core_is_still_chosen(one_thread):
+    """The first steps of a lone thread can run on the busy core until the scheduler moves it: its figure is its
+    fastest step, so those first slow steps do not keep two threads on a busy machine."""
+    class Moving(Machine):
+        def decode(self, policy, steps, cap=None):
+            used = []
+            for _ in range(steps):
+                with policy.step(cap) as n:
+                    ones = used.count(1)
+                    self.now += self.seconds[n] * (3 if n == 1 and ones < 4 else 1)    # moved after 4 steps
+                used.append(n)
+            return used
+
+    m = Moving({2: 2.5e-3, 1: 1e-3})
+    p = threads.ThreadPolicy(2, clock=m.clock)
+    used = m.decode(p, 60)
+    assert p.chosen == 1 and used[-40:] == [1] * 40
+
+
 def test_fixed_policy_and_the_tiny_model_cap(one_thread):
     m = Machine({1: 1e-3, 2: 9.0, 3: 9.0})
     assert set(m.decode(threads.ThreadPolicy(3, adaptive=False, clock=m.clock), 50, cap=1)) == {1}
