@@ -18,11 +18,12 @@ import time
 
 from .errors import UserError
 
-PROBE_STEPS = 4            # decode steps timed per candidate count (the first after a switch is not counted); a
-                           # count's figure is its fastest
+PROBE_STEPS = 4            # decode steps timed per candidate count (the first after a switch is not counted)
 REPROBE_S = (1.0, 4.0)     # seconds between measurements: doubled from the first while the choice holds
 SLOWDOWN = 1.6             # two steps this much slower than the chosen count's figure start a measurement now
-HOPELESS = 1.1             # a candidate whose first timed step is this much slower than the round's best is dropped
+HOPELESS = 1.1             # more threads whose first two timed steps are this much slower than the best are dropped
+FEWER = 1.1                # the fewest threads whose figure is within this of the best are chosen (a wrong "more"
+                           # costs several times what a wrong "fewer" does)
 
 
 def physical_cores() -> int:
@@ -72,16 +73,16 @@ def candidates(limit: int) -> list[int]:
 
 
 class ThreadPolicy:
-    """Intra-op threads of decode steps. Fixed (--threads N): N. Adaptive (the default): the fastest of
-    `candidates(limit)`, each timed over PROBE_STEPS steps (the chosen count first, cut to one when SLOWDOWN times
-    slower than its last figure; more threads than the best so far, HOPELESS times slower, dropped after one), measured again after 1 s of decoding (the interval doubling to 4 s
-    while the choice holds), after a pause of over 1 s (a new reply), or at once when steps run SLOWDOWN times
-    slower than the chosen count's figure."""
+    """Intra-op threads of decode steps. Fixed (--threads N): N. Adaptive (the default): of `candidates(limit)`,
+    each timed over PROBE_STEPS steps (the chosen count first; more threads plainly slower cut after two,
+    `_hopeless`), the fewest within FEWER of the fastest; measured again after 1 s of decoding (the interval
+    doubling to 4 s while the choice holds), after a pause of over 1 s (a new reply), or at once when steps run
+    SLOWDOWN times slower than the chosen count's figure."""
 
     def __init__(self, limit: int, adaptive: bool = True, clock=time.perf_counter):
         self.limit, self.adaptive, self.clock = limit, adaptive, clock
         self.chosen = limit
-        self.figures: dict[int, float] = {}       # count -> seconds of its fastest step when last measured
+        self.figures: dict[int, float] = {}       # count -> seconds per step when last measured (_figure)
         self.round: dict[int, float] = {}         # the same, of the round being measured
         self._queue: list[int] = []               # counts still to measure in this round
         self._samples: list[float] = []
@@ -114,6 +115,19 @@ class ThreadPolicy:
                 torch.set_num_threads(prev)
             self._record(n, seconds, cap)
 
+    def _hopeless(self, n: int, timed: list[float]) -> bool:
+        """Whether to cut the measurement of `n` threads short after two timed steps: more threads than the best
+        so far (or, measured first, more than one) and both steps plainly slower than it (or than their own last
+        figure), as threads waiting at barriers for a busy core are. A lone thread keeps its steps: it may start
+        on the busy core until the scheduler moves it."""
+        if len(timed) != 2 or n == 1:
+            return False
+        if self.round:
+            best = min(self.round, key=self.round.get)
+            return n > best and min(timed) > HOPELESS * self.round[best]
+        before = self.figures.get(n)
+        return before is not None and min(timed) > SLOWDOWN * before
+
     def _limit(self, cap: int | None) -> int:
         return min(self.limit, cap) if cap else self.limit
 
@@ -145,21 +159,22 @@ class ThreadPolicy:
         if n != self._queue[0]:
             return
         self._samples.append(seconds)
-        # cut short: more threads than the best so far (or, measured first, than one) that are plainly slower, as
-        # threads waiting at barriers for a busy core are; a lone thread keeps its steps (it may start on that core)
-        best = min(self.round, key=self.round.get, default=None)
-        before = self.figures.get(n)
-        hopeless = len(self._samples) == 2 and (
-            (best is not None and n > best and seconds > HOPELESS * self.round[best])
-            or (best is None and n > 1 and before is not None and seconds > SLOWDOWN * before))
-        if len(self._samples) <= PROBE_STEPS and not hopeless:
+        timed = self._samples[1:]
+        if len(timed) < PROBE_STEPS and not self._hopeless(n, timed):
             return
-        # the fastest timed step: a lone thread that starts on the busy core runs slow until the scheduler moves it
-        self.round[n] = self.figures[n] = min(self._samples[1:])
+        self.round[n] = self.figures[n] = _figure(n, timed)
         self._samples = []
         self._queue.pop(0)
-        if not self._queue:                       # a round is measured: keep the fastest
-            chosen = min(self.round, key=self.round.get)
+        if not self._queue:                       # a round is measured: the fewest threads within FEWER of the best
+            best = min(self.round.values())
+            chosen = min(c for c, f in self.round.items() if f <= FEWER * best)
             self._interval = min(2 * self._interval, REPROBE_S[1]) if chosen == self.chosen else REPROBE_S[0]
             self.chosen, self._since = chosen, self.clock()
             self.rounds += 1
+
+
+def _figure(n: int, timed: list[float]) -> float:
+    """Seconds per step of `n` threads from its timed steps: a lone thread's fastest (its first steps may run on a
+    busy core until the scheduler moves it), several threads' median (one step may fall where the other program
+    was off its core)."""
+    return min(timed) if n == 1 else statistics.median(timed)
