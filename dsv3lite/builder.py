@@ -124,7 +124,8 @@ def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.d
 def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | None = None, mtp: bool = True,
                  experts=None, cpu_mem=None, progress: bool = True, log=None, dense=None, **options):
     """See dsv3lite.load. options: the OffloadOptions fields (lookahead, miss_policy, cache_policy), the MTP
-    settings num_draft_tokens, mtp_adaptive, and cuda_graphs (False: decode steps eagerly on a GPU). dense: the
+    settings num_draft_tokens, mtp_adaptive, cuda_graphs (False: decode steps eagerly on a GPU) and threads
+    (thread_policy_for). dense: the
     non-expert weights packed to this dtype while loading (dense.py; on CUDA an FP8 checkpoint that needs it gets
     fp8, `choose_dense`)."""
     from .dense import PackedLinear, check_dense
@@ -136,6 +137,7 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     offload_options = OffloadOptions.take({**options, "cpu_mem": cpu_mem})
+    threads = options.pop("threads", None)
     engine_options = {k: options[k] for k in ("num_draft_tokens", "mtp_adaptive", "cuda_graphs") if k in options}
     unknown = set(options) - set(engine_options) - {f for f in OffloadOptions.__dataclass_fields__}
     if unknown:
@@ -144,6 +146,7 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     check_dense(dense, dev)
+    thread_policy = thread_policy_for(threads, dev)
     args = ModelArgs.from_dir(root)
     if ctx_size is None:                       # the default: 4096, or less when the model is shorter
         ctx_size = min(DEFAULT_CTX_SIZE, args.max_position_embeddings)
@@ -183,4 +186,14 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     log(f"loaded {root.name or root} in {time.perf_counter() - t0:.1f}s: {format_bytes(n_bytes)} on {dev} as "
         f"{str(dt).replace('torch.', '')}")
     return Engine(model, tokenizer, dev, dt, ctx_size=ctx_size, mtp=mtp, weights=str(root), log=log,
-                  offload=offload, **engine_options)
+                  offload=offload, threads=thread_policy, **engine_options)
+
+
+def thread_policy_for(threads: int | None, device: torch.device):
+    """threads (--threads): fixed at N, applied to every parallel region from now on; None: torch's count, and on
+    a CPU-only run decode steps adapt it when other programs take cores (threads.ThreadPolicy)."""
+    from . import threads as thread_rules
+
+    if threads is not None:
+        thread_rules.apply(thread_rules.resolve(threads))
+    return thread_rules.ThreadPolicy(torch.get_num_threads(), adaptive=threads is None and device.type == "cpu")

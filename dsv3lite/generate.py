@@ -23,6 +23,7 @@ from .limits import ABSORB_MAX_TOKENS, LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from .offload.stats import empty_expert_cache_stats
 from .sampling import SamplingParams, sample, sampling_probs
 from .speculative import Speculator
+from .threads import ThreadPolicy
 
 
 @dataclass
@@ -140,7 +141,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, ctx_size: int = 4096,
                  mtp: bool = True, weights: str | None = None, log=None, num_draft_tokens: int = 1,
-                 mtp_adaptive: bool = True, offload=None, cuda_graphs: bool = True):
+                 mtp_adaptive: bool = True, offload=None, cuda_graphs: bool = True,
+                 threads: ThreadPolicy | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
@@ -163,6 +165,8 @@ class Engine:
         self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
         self._kernel_step = device.type == "cpu" and cpu_decode.covers(model)
         self._eager_threads = decode_threads(self.args, device)      # the size rule, once
+        # intra-op threads of every step (threads.py): fixed, or adapting when other programs take cores
+        self.threads = threads or ThreadPolicy(torch.get_num_threads(), adaptive=False)
 
     @property
     def graphs(self):
@@ -243,7 +247,7 @@ class Engine:
             "prompt_tokens": s.prompt_tokens,
             "cached_prompt_tokens": s.cached_prompt_tokens,
             "generated_tokens": s.generated_tokens,
-            "mtp": self.speculator.stats(s.drafted, s.accepted, decode_tokens, s.main_forwards),
+            "mtp": self.speculator.stats(s.drafted, s.accepted, s.main_forwards),
             "expert_cache": expert,
             "memory": self._memory(),
             "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
@@ -327,12 +331,13 @@ class Engine:
             if self.offload is not None:
                 self.offload.reset_stats()
             t0 = time.perf_counter()
-            logits, hidden, start = self._prefill(ids)
-            if self.offload is not None:
-                self.offload.end_prefill()
-            stats.prefilled_tokens = len(ids) - stats.cached_prompt_tokens
-            token = sample(sampling_probs(logits, params), gen)
-            self.speculator.catch_up(self.cache, hidden, ids[start + 1:] + [token], start)
+            with intra_op_threads(self.threads.current(self.decode_threads)):
+                logits, hidden, start = self._prefill(ids)
+                if self.offload is not None:
+                    self.offload.end_prefill()
+                stats.prefilled_tokens = len(ids) - stats.cached_prompt_tokens
+                token = sample(sampling_probs(logits, params), gen)
+                self.speculator.catch_up(self.cache, hidden, ids[start + 1:] + [token], start)
             stats.prefill_s = time.perf_counter() - t0
             stats.ttft_s = stats.prefill_s
             t_first = time.perf_counter()
@@ -346,7 +351,7 @@ class Engine:
                     if chunk.finish_reason:
                         return
                 token = new[-1]
-                with intra_op_threads(self.decode_threads):
+                with self.threads.step(self.decode_threads):
                     new = self._step(token, params, gen, stats)
 
     def _step(self, token: int, params: SamplingParams, gen, stats: RunStats) -> list[int]:

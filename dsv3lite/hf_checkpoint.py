@@ -68,6 +68,8 @@ TOP_NAMES = {
 # kept in fp32 whatever the compute dtype (as transformers does): module and checkpoint suffixes
 FP32_MODULE_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias", "attn.indexer.weights_proj.weight")
 FP32_CHECKPOINT_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
+# a dsv3lite-quantized directory's routed experts of one layer: model.layers.N.mlp.experts.blobs
+BLOBS_SUFFIX = ".mlp.experts.blobs"
 
 _REVERSE = {table_id: {v: k for k, v in t.items()} for table_id, t in
             (("layer", LAYER_NAMES), ("expert", EXPERT_NAMES), ("mtp", MTP_NAMES), ("top", TOP_NAMES))}
@@ -110,6 +112,30 @@ def map_name(ckpt_name: str, args: ModelArgs) -> Target | None:
     if rest in LAYER_NAMES:
         return Target(prefix + LAYER_NAMES[rest])
     return None
+
+
+def component_of(ckpt_name: str, args: ModelArgs) -> str | None:
+    """The footprint component a checkpoint tensor (or its FP8 scale, or a quantized layer's expert blobs) counts
+    in: embeddings | lm_head | attention+norms | dense MLPs | routers | shared experts | routed experts |
+    MTP (non-expert) | MTP routed experts; None for a tensor the model does not read."""
+    base = ckpt_name.removesuffix("_scale_inv")
+    m = _LAYER_RE.match(base)
+    in_mtp = m is not None and int(m.group(1)) == args.mtp_layer_id
+    target = map_name(base, args)
+    if base.endswith(BLOBS_SUFFIX) or (target is not None and target.expert is not None):
+        return "MTP routed experts" if in_mtp else "routed experts"
+    if target is None:
+        return None
+    name = target.name
+    if in_mtp:
+        return "MTP (non-expert)"
+    if name in ("embed.weight", "head.weight"):
+        return "embeddings" if name == "embed.weight" else "lm_head"
+    if ".ffn.gate." in name:
+        return "routers"
+    if ".ffn.shared_experts." in name:
+        return "shared experts"
+    return "dense MLPs" if ".ffn." in name else "attention+norms"
 
 
 def checkpoint_name(module_name: str, args: ModelArgs, expert: int | str = "<e>") -> str:
@@ -224,9 +250,50 @@ class CheckpointIndex:
         return meta
 
 
+def check_layer_count(index: CheckpointIndex, args: ModelArgs) -> None:
+    """config.json's num_hidden_layers must be the checkpoint's decoder depth: the first layer holding MTP tensors
+    (enorm, eh_proj, ...), else the highest layer + 1. Otherwise an MTP layer would run as a decoder layer, or a
+    decoder layer be skipped, and print garbage."""
+    layers, mtp = set(), set()
+    for name in index.files:
+        m = _LAYER_RE.match(name)
+        if m:
+            layers.add(int(m.group(1)))
+            if m.group(2) in MTP_NAMES:
+                mtp.add(int(m.group(1)))
+    if not layers:
+        return
+    depth = min(mtp) if mtp else max(layers) + 1
+    if depth != args.num_hidden_layers:
+        where = f"its MTP layer is model.layers.{depth}" if mtp else f"its last layer is model.layers.{depth - 1}"
+        raise UserError(f"config.json says num_hidden_layers {args.num_hidden_layers}, but the checkpoint's decoder "
+                        f"has {depth} layers ({where})")
+
+
+def unplaced_note(index: CheckpointIndex, args: ModelArgs, names=map_name) -> str | None:
+    """One line naming the checkpoint tensors that have no place in the model (not read), or None. The MTP layer's
+    copies of the embedding and head, and MTP layers past the first, are left out on purpose and not named.
+    names: the family's name table (map_name's signature)."""
+    unplaced = []
+    for name in index.files:
+        if is_scale_name(name) or name.endswith(BLOBS_SUFFIX) or names(name, args) is not None:
+            continue                          # (a quantized directory's expert blobs have their own reader)
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) >= args.mtp_layer_id:
+            continue
+        unplaced.append(name)
+    if not unplaced:
+        return None
+    shown = ", ".join(sorted(unplaced)[:3]) + (", ..." if len(unplaced) > 3 else "")
+    return (f"note: {len(unplaced)} checkpoint tensor{'s have' if len(unplaced) > 1 else ' has'} no place in a "
+            f"{args.model_type} model and {'are' if len(unplaced) > 1 else 'is'} not loaded: {shown}")
+
+
 def mtp_status(index: CheckpointIndex, args: ModelArgs) -> tuple[bool, str | None]:
     """(MTP layer present?, notice). A wholly absent MTP layer turns MTP off; a partly present one is an error.
-    Works for HF and dsv3lite-quantized directories alike (both keep the MTP layer's own tensors by HF name)."""
+    Works for HF and dsv3lite-quantized directories alike (both keep the MTP layer's own tensors by HF name).
+    The config's layer count is checked against the checkpoint first (check_layer_count)."""
+    check_layer_count(index, args)
     if args.num_nextn_predict_layers < 1:
         return False, None
     prefix = f"model.layers.{args.mtp_layer_id}."
@@ -256,6 +323,13 @@ def has_mtp(root: Path, args: ModelArgs) -> bool:
 # a weight's scale: `<name>_scale_inv` (DeepSeek-V3, float32), or `<stem>.scale` for `<stem>.weight` (DeepSeek-V4,
 # F8_E8M0 or float32): FP8 128x128 blocks, or for an I8 weight (two MXFP4 codes a byte) one per 32 weights of a row
 SCALE_SUFFIXES = ("_scale_inv", ".scale")
+
+
+def unscaled_integer(name: str, dtype: torch.dtype) -> UserError:
+    """The error for an integer weight whose scale is nowhere (casting it to float would be silently wrong)."""
+    return UserError(f"tensor {name} is {str(dtype).replace('torch.', '')}, and config.json declares no quantization "
+                     f"that gives its scale (an integer weight needs one): dsv3lite reads float, FP8 block-scaled and "
+                     f"MXFP4 weights, and its own quantized directories")
 
 
 def is_scale_name(name: str) -> bool:
@@ -346,11 +420,11 @@ class TensorReader:
         if shape is not None and tuple(w.shape) != tuple(shape):
             raise UserError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)} from config.json")
         if w.dtype not in (torch.float8_e4m3fn, torch.int8):
-            return w, None
+            return w, None                    # a float weight, or an integer table (its reader checks where it goes)
         scale = self.scale_of(name)
         if scale is None:
-            if w.dtype == torch.int8:
-                return w, None
+            if w.dtype != torch.float8_e4m3fn:
+                raise unscaled_integer(name, w.dtype)
             raise UserError(f"FP8 tensor {name} has no {' or '.join(scale_names(name))}")
         s = self.get(scale)
         if w.dtype == torch.float8_e4m3fn:

@@ -18,8 +18,8 @@ from torch import nn
 from .config import ModelArgs
 from .dense import PackedLinear, check_dense, packable
 from .errors import UserError
-from .hf_checkpoint import (FP32_MODULE_SUFFIXES, CheckpointIndex, TensorReader, checkpoint_name, is_scale_name,
-                            map_name, mtp_status)
+from .hf_checkpoint import (FP32_MODULE_SUFFIXES, CheckpointIndex, TensorReader, check_layer_count,
+                            checkpoint_name, is_scale_name, map_name, mtp_status, unplaced_note, unscaled_integer)
 from .model import Transformer
 from .quant.fp8 import fp8_block_dequant
 from .utils import format_bytes
@@ -95,9 +95,10 @@ class Loader:
         check_dense(self.dense, torch.device(self.device))
         args = args or ModelArgs.from_dir(self.root)
         index = CheckpointIndex.open(self.root)
+        check_layer_count(index, args)
         with_mtp, notice = self.mtp_status(index, args) if mtp else (False, None)
         self.skip_mtp = not with_mtp
-        for note in (notice, index.skipped_note()):
+        for note in (notice, index.skipped_note(), unplaced_note(index, args, self.map_name)):
             if note:
                 self.log(note)
         with torch.device("meta"):
@@ -113,14 +114,13 @@ class Loader:
         expected = expected_tensors(model)
         filled: set[str] = set()
         experts_seen: dict[str, set[int]] = {}
-        ignored = []
         by_shard: dict = {}
         for n, f in index.files.items():              # one pass (V3 has 163 shards and ~90k tensors)
             by_shard.setdefault(f, []).append(n)
         with TensorReader(index) as reader:
             for shard in index.shards():
                 self._load_shard(model, args, reader, shard, by_shard.get(shard, []), expected, filled,
-                                 experts_seen, ignored)
+                                 experts_seen)
         self._finish(model, args, expected, filled, experts_seen)
         if self.dense is not None:
             p = self.packed
@@ -131,7 +131,7 @@ class Loader:
         model.eval()
         return model
 
-    def _load_shard(self, model, args, reader, shard, names, expected, filled, experts_seen, ignored):
+    def _load_shard(self, model, args, reader, shard, names, expected, filled, experts_seen):
         from tqdm import tqdm
 
         wanted = []
@@ -141,8 +141,7 @@ class Loader:
             target = self.map_name(name, args)
             if target is None or (target.expert is not None and self.external_experts) or (
                     self.skip_mtp and target.name.startswith("mtp.")):
-                ignored.append(name)
-                continue
+                continue                              # not read: named by unplaced_note, or left out on purpose
             wanted.append((name, target))
         targets = dict(wanted)
         bar = tqdm(total=len(wanted), desc=f"loading {shard.name}", unit="tensor", file=sys.stderr,
@@ -159,6 +158,8 @@ class Loader:
                 tensor = self.dequant(weight.to(on), scale.to(on))
             else:
                 tensor = weight
+                if not tensor.dtype.is_floating_point and self.tensor_dtype(target.name).is_floating_point:
+                    raise unscaled_integer(name, tensor.dtype)
             self._place(model, args, name, shard, target, tensor, expected, filled, experts_seen)
         bar.close()
 

@@ -160,10 +160,12 @@ class Speculator:
     def reset(self) -> None:
         self.valid = 0
 
-    def stats(self, drafted: int, accepted: int, decode_tokens: int, main_forwards: int) -> dict:
+    def stats(self, drafted: int, accepted: int, main_forwards: int) -> dict:
+        # tokens per forward: what the forwards produced (each its sampled token plus its accepted drafts), as the
+        # acceptance counts them, whether or not max_tokens or a stop let all of them out
         return {"enabled": self.enabled,
                 "acceptance_rate": accepted / drafted if drafted else 0.0,
-                "tokens_per_forward": decode_tokens / main_forwards if main_forwards else 0.0,
+                "tokens_per_forward": (main_forwards + accepted) / main_forwards if main_forwards else 0.0,
                 **({} if self.enabled else {"reason": self.off_reason})}
 
     # --- the MTP layer ------------------------------------------------------------------------

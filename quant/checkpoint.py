@@ -36,9 +36,9 @@ import torch
 
 from ..config import ModelArgs
 from ..errors import UserError
-from ..hf_checkpoint import (FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader, check_fp8_scale,
-                             expert_tensor_name, map_name, mtp_status)
-from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits
+from ..hf_checkpoint import (BLOBS_SUFFIX, FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader,
+                             check_fp8_scale, expert_tensor_name, map_name, mtp_status)
+from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits, write_problem
 from .compressed_tensors import packed_entry_bytes, read_packed
 from .formats import format_for_layout, get_format
 from .fp8 import fp8_block_dequant
@@ -63,8 +63,13 @@ class QuantizeInterrupted(UserError):
     """Ctrl-C during quantize: DST.partial/ is consistent and `--resume` continues it."""
 
 
+class QuantizeWriteFailed(UserError):
+    """The output's disk filled up or failed part way: DST.partial/ is consistent up to its last finished layer and
+    `--resume` continues it once there is room."""
+
+
 def blob_name(layer_id: int) -> str:
-    return f"model.layers.{layer_id}.mlp.experts.blobs"
+    return f"model.layers.{layer_id}{BLOBS_SUFFIX}"
 
 
 def _natural_key(name: str):
@@ -486,7 +491,10 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
     if workers < 1:
         raise UserError(f"workers must be at least 1, got {workers}")
     plan = plan_quantize(src, dst, experts, group_size, dense, fast)
-    state = _prepare_dirs(plan, force, resume, log)
+    try:
+        state = _prepare_dirs(plan, force, resume, log)
+    except OSError as e:
+        raise QuantizeWriteFailed(f"cannot write {e.filename or plan.partial}: {e.strerror or e}") from None
     for note in plan.notes:
         log(note)
     n_layers, n_experts = len(plan.moe_layers), plan.args.n_routed_experts
@@ -500,12 +508,17 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
                 state["dense_done"] = True
                 _save_progress(plan.partial, state)
             _write_experts(plan, reader, state, progress, log, dev, workers)
+        _atomic_write(plan.partial / MANIFEST, json.dumps(plan.manifest().to_json(), indent=2) + "\n")
+        _finish(plan)
     except KeyboardInterrupt:
         done = len(state["layers_done"])
         raise QuantizeInterrupted(f"interrupted with {done} of {n_layers} MoE layers done in {plan.partial}: "
                                   f"run the same command with --resume to continue") from None
-    _atomic_write(plan.partial / MANIFEST, json.dumps(plan.manifest().to_json(), indent=2) + "\n")
-    _finish(plan)
+    except OSError as e:                  # the disk filled up or went read-only part way (reads raise UserError)
+        done = len(state["layers_done"])
+        raise QuantizeWriteFailed(f"cannot write {e.filename or plan.partial}: {e.strerror or e}, with {done} of "
+                                  f"{n_layers} MoE layers done: make room and run the same command with --resume") \
+            from None
     dense_bytes = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
     log(f"wrote {plan.dst}: {plan.layers_label} x {n_experts} experts as {plan.fmt.label} "
         f"({format_bytes(n_layers * n_experts * plan.layout.blob_bytes)}), dense {plan.dense} "
@@ -558,7 +571,9 @@ def _prepare_dirs(plan: QuantizePlan, force: bool, resume: bool, log) -> dict:
     dense_bytes = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
     expert_bytes = len(plan.moe_layers) * plan.args.n_routed_experts * plan.layout.blob_bytes
     parent = partial.parent
-    parent.mkdir(parents=True, exist_ok=True)
+    problem = write_problem(parent)
+    if problem:
+        raise UserError(f"cannot write in {parent}: {problem}")
     free = shutil.disk_usage(parent).free
     if dense_bytes + expert_bytes > free:
         raise UserError(f"not enough disk space in {parent}: the output needs "
@@ -603,6 +618,32 @@ def format_duration(seconds: float) -> str:
     return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
+class Eta:
+    """Seconds left of `total` items, at the rate measured after the first `warm` of them: their time holds one-off
+    costs (the first reads from a cold disk, thread and kernel start-up) that made a first ETA 4-15x too long."""
+
+    def __init__(self, total: int, warm: int, clock=time.perf_counter):
+        self.total, self.warm, self.clock = total, min(warm, total), clock
+        self.t0 = clock()
+        self.mark: tuple[float, int] | None = None        # (clock, done) when the warm-up ended
+        self.per_item = 0.0
+
+    def update(self, done: int) -> float:
+        """The ETA once `done` items are finished; `per_item` holds the seconds per item it assumes."""
+        now = self.clock()
+        if self.mark is None and done >= self.warm:
+            self.mark = (now, done)
+        if self.mark is None or done == self.mark[1]:
+            self.per_item = (now - self.t0) / max(done, 1)
+        else:
+            self.per_item = (now - self.mark[0]) / (done - self.mark[1])
+        return (self.total - done) * self.per_item
+
+    def first(self, done: int) -> bool:
+        """Whether `done` items are the point to state the ETA up front (as many again past the warm-up)."""
+        return done == min(self.total, 2 * self.warm)
+
+
 def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progress: bool, log,
                    device: torch.device, workers: int) -> None:
     from tqdm import tqdm
@@ -615,6 +656,7 @@ def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progre
     jobs = [(layer, e) for layer in todo for e in range(n_experts)]
     where = f"{workers} worker{'s' if workers != 1 else ''} on {device.type}"
     t0, done, done_bytes = time.perf_counter(), 0, 0
+    eta_clock = Eta(total, max(workers, 2))
     with TensorFileWriter.reopen(plan.partial / EXPERTS_FILE, plan.experts_file_entries(),
                                  plan.experts_metadata()) as out, \
             tqdm(total=len(plan.moe_layers) * n_experts, initial=len(state["layers_done"]) * n_experts,
@@ -626,9 +668,9 @@ def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progre
             out.write_row(blob_name(layer), e, blob)
             done, done_bytes = done + 1, done_bytes + plan.expert_src_bytes
             elapsed = time.perf_counter() - t0
-            eta = (total - done) * elapsed / done
-            if done == min(total, max(workers, 2)):  # the first experts timed: the ETA up front
-                say(f"{plan.fmt.label} experts: {elapsed / done:.2f} s per expert ({where}), {total} to pack: "
+            eta = eta_clock.update(done)
+            if eta_clock.first(done):             # the first experts timed: the ETA up front
+                say(f"{plan.fmt.label} experts: {eta_clock.per_item:.2f} s per expert ({where}), {total} to pack: "
                     f"ETA {format_duration(eta)}")
             bar.set_postfix_str(f"layer {layer}, {format_bytes(done_bytes / elapsed)}/s, "
                                 f"ETA {format_duration(eta)}", refresh=False)

@@ -1,8 +1,10 @@
 """The README's memory table: what DeepSeek-V3, Kimi-K2, Moonlight and DeepSeek-V2-Lite need in each expert format (and
 Kimi-K2-Thinking / K2.5 in the int4 they are released in), from their published config.json values (written here)
-and the same planner `dsv3lite plan` uses; reads no weights.
+and the same planner `dsv3lite plan` uses; reads no weights. Also the README's 22 GB example (DeepSeek-V3, int4
+experts and --dense int4, ctx 8192).
 
-    python scripts/memory_table.py            # markdown table on stdout
+    python scripts/memory_table.py            # the README's block, between its markers (tests/test_readme.py
+                                              # fails when the README's copy differs)
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from dsv3lite.config import ModelArgs
 from dsv3lite.footprint import DENSE_WEIGHT_BYTES
 from dsv3lite.offload.planner import make_plan
+from dsv3lite.offload.setup import CUDA_RESERVE_BYTES
 from dsv3lite.quant.formats import get_format
 from dsv3lite.testing_int4 import KIMI_INT4_QUANT
 from dsv3lite.utils import format_bytes
@@ -65,6 +68,8 @@ FORMATS = ("fp8", "int4", "nf4", "bf16")
 RELEASED_ONLY = ("Kimi-K2-Thinking / K2.5 (1T)",)     # served in the format they are released in
 GPU_DENSE = (None, "fp8", "int4")       # the non-expert weights on the GPU: bf16, --dense fp8, --dense int4
 CTX = 4096
+BEGIN, END = "<!-- scripts/memory_table.py: begin -->", "<!-- scripts/memory_table.py: end -->"
+CARD = dict(budget=22 * 2**30, ctx=8192, experts="int4", dense="int4")     # the 22 GB example
 
 
 def rows():
@@ -89,19 +94,42 @@ def rows():
     return out
 
 
-def main() -> int:
-    print("| model | experts | expert blobs (host RAM, or the page cache) | GPU minimum | with `--dense fp8` | "
-          "with `--dense int4` | CPU-only run, `--dense int8` |")
-    print("|---|---|---|---|---|---|---|")
+def card_slots() -> tuple[int, int]:
+    """Expert slots of DeepSeek-V3 in CARD's budget: as `plan --device cpu` plans the whole budget, and as a CUDA run
+    keeps after the CUDA context's reserve."""
+    a = ModelArgs.from_dict(json.loads(json.dumps(MODELS["DeepSeek-V3 / R1 (671B)"])))
+    blob = get_format(CARD["experts"]).layout(a.moe_intermediate_size, a.hidden_size).blob_bytes
+    return tuple(make_plan(a, budget, CARD["ctx"], blob, CARD["experts"], dense_bytes=2, mtp=True,
+                           weight_bytes=DENSE_WEIGHT_BYTES[CARD["dense"]]).n_slots
+                 for budget in (CARD["budget"], CARD["budget"] - CUDA_RESERVE_BYTES))
+
+
+def readme_block() -> str:
+    """The README's block: the table, what its columns mean, and the 22 GB example."""
+    lines = [BEGIN, "| model | experts | expert blobs (host RAM, or the page cache) | GPU minimum | with `--dense fp8` | "
+             "with `--dense int4` | CPU-only run, `--dense int8` |", "|---|---|---|---|---|---|---|"]
     for name, fmt, host, gpu, cpu in rows():
-        print(f"| {name} | {fmt} | {format_bytes(host)} | {' | '.join(format_bytes(g) for g in gpu)} | "
-              f"{format_bytes(cpu)} |")
-    print(f"\nGPU minimum: every non-expert weight resident (bf16, or packed with --dense: MLA's wkv_b, norms, "
-          f"embeddings and routers stay as they are), the latent KV cache for {CTX} tokens and the prefill workspace "
-          f"(`dsv3lite plan` prints it); every byte of --gpu-mem above it, less the 1.5 GiB kept for the CUDA "
-          f"context, holds expert slots. CPU-only: the expert blobs plus the non-expert weights packed to int8, "
-          f"fp32 activations and KV. Kimi-K2-Thinking / K2.5: their routed experts as released (int4g32: 4-bit codes "
-          f"and a bf16 scale per 32 weights), served without re-quantizing.")
+        lines.append(f"| {name} | {fmt} | {format_bytes(host)} | {' | '.join(format_bytes(g) for g in gpu)} | "
+                     f"{format_bytes(cpu)} |")
+    plan_slots, card = card_slots()
+    lines += ["", f"GPU minimum: every non-expert weight resident (bf16, or packed with --dense: MLA's wkv_b, norms, "
+              f"embeddings and routers stay as they are), the latent KV cache for {CTX} tokens and the prefill "
+              f"workspace (`dsv3lite plan` prints it); every byte of --gpu-mem above it, less the 1.5 GiB kept for the "
+              f"CUDA context, holds expert slots. CPU-only: the expert blobs plus the non-expert weights packed to "
+              f"int8, fp32 activations and KV. Kimi-K2-Thinking / K2.5: their routed experts as released (int4g32: "
+               f"4-bit codes and a bf16 scale per 32 weights), served without re-quantizing.",
+              "",
+              f"So DeepSeek-V3 runs on a 24 GB card with `--dense fp8` (an FP8 checkpoint keeps its own fp8 bytes; a "
+              f"CUDA run picks it when its budget needs it, and says so), and within `--gpu-mem 22G` with `--dense "
+              f"int4` and int4 experts (`dsv3lite plan --gpu-mem 22G --experts int4 --dense int4 --ctx-size "
+              f"{CARD['ctx']} --device cuda`: {card} expert slots after the 1.5 GiB kept for the CUDA context; "
+              f"{plan_slots} with `--device cpu --dtype bfloat16`, which plans the whole budget). On a GPU the packed weights go "
+              f"through the W8A16 / W4A16 kernels; this path has not run on GPU hardware yet.", END]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    print(readme_block())
     return 0
 
 

@@ -19,6 +19,7 @@ import torch
 
 from ..kernels import cpu_experts
 from ..quant.layout import BlobLayout
+from ..threads import worker_threads
 from .cache import HostStore
 
 
@@ -58,7 +59,7 @@ class CpuWorker:
 
     def __init__(self, host: HostStore, layout: BlobLayout, threads: int = 0):
         self.host, self.layout = host, layout
-        self.threads = threads or torch.get_num_threads()
+        self.threads = threads or worker_threads(torch.get_num_threads())
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dsv3lite-cpu-experts")
         weakref.finalize(self, self.executor.shutdown, False)     # the thread ends with its runtime
         n_experts = max(blobs.shape[0] for blobs in host.layers.values())
