@@ -9,6 +9,7 @@ import torch
 
 from .config import ModelArgs
 from .errors import UserError
+from .family import V3Family, family_of
 from .utils import checkpoint_dir, format_bytes, resolve_device, resolve_dtype
 
 DEFAULT_CTX_SIZE = 4096
@@ -51,7 +52,7 @@ def resident_experts(source, args: ModelArgs, experts: str | None, kernel: str |
     cpu_mem (--cpu-mem, bytes, CPU): bounds the mapped blobs' resident pages; blobs packed in memory must fit it."""
     from .experts import BlobExperts
 
-    if source is not None and not source.mapped and experts is None and kernel is None:
+    if source is not None and not source.mapped and experts is None and kernel is None and not source.released:
         source = None                             # an HF checkpoint nothing asks to pack: its dense experts
     if source is None:
         if cpu_mem is not None:
@@ -60,11 +61,14 @@ def resident_experts(source, args: ModelArgs, experts: str | None, kernel: str |
     if not (kernel and not source.mapped):
         source = source.cached(log)               # --experts on an HF checkpoint: its expert cache on disk
     cap = resident_cap(source, args, device, cpu_mem, log)
-    if kernel and not source.mapped:
+    if kernel and not source.mapped and not source.released:
         log(f"routed experts as {source.fmt.name} blobs for {kernel} (--experts int4 | fp8 to quantize)")
+    elif source.released:
+        log(f"repacking the checkpoint's {source.fmt.name} routed experts into blobs at load (as released)")
     elif not source.mapped:
         log(f"quantizing routed experts to {source.fmt.name} at load")
-    return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout, cap)
+    limit = family_of(args).swiglu_limit(args)
+    return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout, cap, limit)
 
 
 def resident_cap(source, args: ModelArgs, device: torch.device, cpu_mem: int | None, log):
@@ -128,7 +132,6 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     from .dense import PackedLinear, check_dense
     from .experts import expert_source
     from .generate import Engine
-    from .loader import Loader
     from .offload.options import OffloadOptions
     from .tokenizer import Tokenizer
 
@@ -142,7 +145,10 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     check_dense(dense, dev)
-    args = ModelArgs.from_dir(root)
+    args = ModelArgs.from_dir(root)           # the family's args (family.py)
+    family = family_of(args)
+    if dense is not None and family is not V3Family:
+        raise UserError(f"--dense is not supported for {family.name} checkpoints yet")
     if ctx_size is None:                       # the default: 4096, or less when the model is shorter
         ctx_size = min(DEFAULT_CTX_SIZE, args.max_position_embeddings)
     ctx_size = int(ctx_size)
@@ -173,7 +179,8 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
                                 dense=dense, source=source)
     provider = offload.provider if offload is not None else \
         resident_experts(source, args, experts, kernel, dev, log, offload_options.cpu_mem_bytes)
-    model = Loader(root, dev, dt, progress=progress, log=log, dense=dense).load(args, expert_provider=provider, mtp=mtp)
+    model = family.loader()(root, dev, dt, progress=progress, log=log, dense=dense).load(args, expert_provider=provider,
+                                                                                         mtp=mtp)
     packed = sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
     if offload is not None:
         offload.attach(model)

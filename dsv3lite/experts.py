@@ -42,6 +42,12 @@ class ExpertSource:
             self.blob_root = self.root
 
     @property
+    def released(self) -> bool:
+        """True for an HF checkpoint's experts in the expert format they are stored in (DeepSeek-V4's MXFP4):
+        repacked, never quantized, and never served dense."""
+        return self.manifest is None and self.fmt.name == getattr(self.args, "released_experts", None)
+
+    @property
     def mapped(self) -> bool:
         """True when the blobs are mapped from a file (no copy, pages read on first touch)."""
         return self.manifest is not None
@@ -79,7 +85,9 @@ def expert_source(root: Path, args: ModelArgs, experts: str | None, blobs_requir
     """Where the routed experts come from. A quantized directory: its own blobs (`experts`, if given, must be its
     format). An HF directory with `experts`: quantized to that format at load. An HF directory without: None (the
     checkpoint's dense experts), unless `blobs_required` (offloading), then blobs in the checkpoint's own
-    precision (fp8 for an FP8 checkpoint, else bf16)."""
+    precision (fp8 for an FP8 checkpoint, else bf16). A checkpoint whose experts are stored in an expert format of
+    their own (args.released_experts: DeepSeek-V4's MXFP4) has no dense experts: blobs of that format, repacked as
+    stored, unless `experts` asks for another."""
     from .quant.checkpoint import EXPERTS_ONLY, is_quantized_dir, read_manifest
     from .quant.formats import get_format
 
@@ -92,9 +100,9 @@ def expert_source(root: Path, args: ModelArgs, experts: str | None, blobs_requir
             raise UserError(f"{root} holds {manifest.format} experts; --experts {experts} needs the HF checkpoint "
                             f"(quantize it again, or drop --experts)")
         return ExpertSource(root, args, manifest.expert_format(), manifest.layout, manifest)
-    if experts is None and not blobs_required:
+    if experts is None and not blobs_required and not getattr(args, "released_experts", None):
         return None
-    fmt = get_format(experts or ("fp8" if args.fp8_block_size else "bf16"))
+    fmt = get_format(experts or getattr(args, "released_experts", None) or ("fp8" if args.fp8_block_size else "bf16"))
     return ExpertSource(root, args, fmt, fmt.layout(args.moe_intermediate_size, args.hidden_size), None)
 
 

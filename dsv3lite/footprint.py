@@ -1,6 +1,7 @@
-"""Parameter counts and bytes per component, from a ModelArgs alone (no weights read).
+"""Parameter counts and bytes per component, from a model's args alone (no weights read).
 
-Used by `dsv3lite info` and by the offloading planner.
+Used by `dsv3lite info` and by the offloading planner. `footprint` answers for every family (family.py); the
+functions here count the V3 family's network (DeepSeek-V4's: v4/sizes.py).
 """
 from __future__ import annotations
 
@@ -68,7 +69,14 @@ class Footprint:
         return self.total - self.routed_experts
 
 
-def footprint(a: ModelArgs) -> Footprint:
+def footprint(a) -> Footprint:
+    """Parameter counts of the network `a` describes (a ModelArgs or a V4Args: its family's count)."""
+    from .family import family_of
+
+    return family_of(a).footprint(a)
+
+
+def v3_footprint(a: ModelArgs) -> Footprint:
     n_moe = len(a.moe_layer_ids)
     n_dense = a.num_hidden_layers - n_moe
     routed = n_moe * a.n_routed_experts * expert_params(a)

@@ -17,7 +17,7 @@ import torch
 from . import executors
 from .cache import ModelCache
 from .errors import UserError
-from .executors.prefill import prefill_hidden
+from .executors import prefill
 from .kernels import cpu_decode
 from .limits import ABSORB_MAX_TOKENS, LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from .offload.stats import empty_expert_cache_stats
@@ -154,7 +154,8 @@ class Engine:
         # (--no-cuda-graphs or DSV3LITE_GRAPHS=0: the eager step), on the CPU the compiled step
         self.executor = executors.choose(model, device, cuda_graphs, log=self.log)
         self._base_executor = getattr(self.executor, "fallback", self.executor)
-        self.speculator = Speculator(model, self._base_executor, mtp, num_draft_tokens, mtp_adaptive, log=self.log)
+        self.speculator = Speculator(model, self._base_executor, mtp, num_draft_tokens, mtp_adaptive, log=self.log,
+                                     on_tokens=offload.expect_tokens if offload is not None else None)
         self.lock = threading.Lock()
         self.cache: ModelCache | None = None              # every block's cache (the model's kinds), one sequence
         self.cached_tokens: list[int] = []                # tokens whose state is valid in self.cache
@@ -163,6 +164,7 @@ class Engine:
         self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
         self._kernel_step = device.type == "cpu" and cpu_decode.covers(model)
         self._eager_threads = decode_threads(self.args, device)      # the size rule, once
+        self._layer_major = prefill.supported(model)       # long prompts layer by layer (else chunk by chunk)
 
     @property
     def graphs(self):
@@ -288,20 +290,24 @@ class Engine:
             if a != b:
                 break
             common += 1
-        # at least one token runs, for its logits; the MTP cache and every layer's cache must be able to keep it
-        common = self.cache.keepable(self.speculator.keep(min(common, len(ids) - 1)))
+        # at least one token runs, for its logits; every main layer's cache (and the MTP block's, while it drafts)
+        # must be able to keep it; the speculator's catch-up rolls the MTP block's cache back itself
+        common = self.speculator.keep(min(common, len(ids) - 1))
+        common = self.cache.keepable(common, main=not self.speculator.enabled)
         self.speculator.keep(common)
-        self.cache.truncate(common)
+        self.cache.truncate(common, main=True)
         self.cached_tokens = self.cached_tokens[:common]
         self.last.cached_prompt_tokens = common
+        self.speculator.on_tokens(ids[common:])            # what the token ids decide is fetched before layer 0
         hiddens, logits = [], None
-        for start in range(common, len(ids), LAYER_MAJOR_TOKENS):
-            group = ids[start:start + LAYER_MAJOR_TOKENS]
+        step = LAYER_MAJOR_TOKENS if self._layer_major else PREFILL_CHUNK
+        for start in range(common, len(ids), step):
+            group = ids[start:start + step]
             if len(group) <= PREFILL_CHUNK:
                 h, logits = self._forward(group, start, all_logits=False)
             else:                                      # layer-major: each MoE layer's experts once per group
                 x = torch.tensor([group], dtype=torch.long, device=self.device)
-                h = prefill_hidden(self.model, x, start, self.cache)[0]
+                h = prefill.prefill_hidden(self.model, x, start, self.cache)[0]
                 logits = self.model.logits(h[-1:])
             hiddens.append(h)
             self.cached_tokens = ids[:start + len(group)]
@@ -332,6 +338,7 @@ class Engine:
                 self.offload.end_prefill()
             stats.prefilled_tokens = len(ids) - stats.cached_prompt_tokens
             token = sample(sampling_probs(logits, params), gen)
+            self.speculator.on_tokens([token])
             self.speculator.catch_up(self.cache, hidden, ids[start + 1:] + [token], start)
             stats.prefill_s = time.perf_counter() - t0
             stats.ttft_s = stats.prefill_s

@@ -249,8 +249,10 @@ def has_weights(root: Path) -> bool:
 
 
 def has_mtp(root: Path, args: ModelArgs) -> bool:
-    """Whether the checkpoint at `root` carries the MTP layer its config declares (see mtp_status)."""
-    return args.num_nextn_predict_layers >= 1 and mtp_status(CheckpointIndex.open(root), args)[0]
+    """Whether the checkpoint at `root` carries the MTP layer its config declares (its family's mtp_status)."""
+    from .family import family_of
+
+    return args.num_nextn_predict_layers >= 1 and family_of(args).mtp_status(CheckpointIndex.open(root), args)[0]
 
 
 # ---- reading tensors --------------------------------------------------------------------------------------
@@ -340,11 +342,13 @@ class TensorReader:
 
     def weight(self, name: str, shape: tuple[int, ...] | None = None,
                scratch=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, its scale in fp32, or None for a float weight), shapes checked: an FP8 weight's block scale
-        grid, or an I8 weight's (two MXFP4 codes a byte, DeepSeek-V4's experts) scales per 32 weights [N, K/32]
-        (ue8m0 decoded exactly). `scratch`: read the weight into this thread's buffer of that key (see `get`);
-        valid until the next read with that key."""
+        """(weight, its scale in fp32, or None for a float weight), shapes checked (`shape`: the logical [N, K]): an
+        FP8 weight's block scale grid, or an I8 weight's (two MXFP4 codes a byte, DeepSeek-V4's experts) scales per
+        32 weights [N, K/32] (ue8m0 decoded exactly). `scratch`: read the weight into this thread's buffer of that
+        key (see `get`); valid until the next read with that key."""
         w = self.get(name, scratch)
+        if shape is not None and w.dtype == torch.int8 and len(shape) == 2:
+            shape = (shape[0], shape[1] // 2)                    # MXFP4 codes: two a byte
         if shape is not None and tuple(w.shape) != tuple(shape):
             raise UserError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)} from config.json")
         if w.dtype not in (torch.float8_e4m3fn, torch.int8):

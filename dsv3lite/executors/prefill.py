@@ -17,6 +17,14 @@ from ..cache import ModelCache, Positions, as_model_cache
 from ..limits import PREFILL_CHUNK
 
 
+def supported(model) -> bool:
+    """Whether the layer-major order is written for `model`'s family (the V3 family's blocks); other families'
+    prompts are prefilled chunk by chunk."""
+    from ..model import Transformer
+
+    return isinstance(model, Transformer)
+
+
 def prefill_hidden(model, tokens: torch.Tensor, start: int, cache: ModelCache,
                    chunk: int = PREFILL_CHUNK) -> torch.Tensor:
     """tokens [1, N] at positions start.. -> final-normed hidden [1, N, D]; cache: the model's caches."""

@@ -1,9 +1,10 @@
 """The --gpu-mem planner: what stays resident on the device, and how many expert slots the rest buys.
 
-Works from shapes alone (ModelArgs + the expert blob size), so `dsv3lite plan` reads no weights.
+Works from shapes alone (the model's args + the expert blob size), so `dsv3lite plan` reads no weights.
 Resident: embeddings, lm_head, attention, norms, routers, shared experts, dense MLPs, MTP non-expert
-parts, the KV cache for --ctx-size (the latents, and on V3.2 the indexer's keys beside them), and a
-workspace for activations. The rest of the budget becomes equal-size expert slots in one global pool.
+parts, the KV cache for --ctx-size (the latents, and on V3.2 the indexer's keys beside them; DeepSeek-V4: its
+cache objects), and a workspace for activations. The rest of the budget becomes equal-size expert slots in one
+global pool. The sizes of a family come from family.py (the V3 family's are written here).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class OffloadPlan:
     total_experts: int                  # routed experts of every MoE layer (MTP included when on)
     expert_format: str
     ctx_size: int
-    indexer_keys: bool = False          # the KV cache also holds V3.2's indexer keys
+    kv_label: str = "latent KV cache"   # what the KV cache holds, as the table names it
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -58,7 +59,7 @@ class OffloadPlan:
         return self.n_slots >= self.total_experts
 
     def table(self) -> str:
-        cache = "KV cache: latents + indexer keys" if self.indexer_keys else "latent KV cache"
+        cache = self.kv_label
         rows = [(k, v) for k, v in self.components.items() if v] + [
             (f"{cache} ({self.ctx_size} tokens)", self.kv_cache), ("workspace", self.workspace),
             (f"expert slots ({self.n_slots} x {format_bytes(self.slot_bytes)}, {self.expert_format})", self.slots_total)]
@@ -140,14 +141,18 @@ def make_plan(a: ModelArgs, budget: int, ctx_size: int, slot_bytes: int, expert_
               weight_bytes: float | None = None) -> OffloadPlan:
     """Place everything resident; the rest of `budget` becomes expert slots. Too small -> UserError.
     weight_bytes: bytes per non-expert weight when they are packed (`--dense`), else dense_bytes."""
+    from ..family import V3Family, family_of
+
+    family = family_of(a)
     mtp = mtp and a.num_nextn_predict_layers > 0
-    n_blocks = a.num_hidden_layers + (1 if mtp else 0)
-    kv = n_blocks * ctx_size * a.cache_dim * (kv_bytes or dense_bytes)
-    comps = resident_components(a, dense_bytes, mtp, weight_bytes)
+    kv = family.kv_cache_bytes(a, ctx_size, mtp, kv_bytes or dense_bytes)
+    comps = family.resident_components(a, dense_bytes, mtp, weight_bytes)
     n_moe = len(a.moe_layer_ids) + (1 if mtp else 0)
-    plan = OffloadPlan(budget=budget, components=comps, kv_cache=kv, workspace=workspace_bytes(a, ctx_size, dense_bytes),
-                slot_bytes=slot_bytes, n_slots=0, total_experts=n_moe * a.n_routed_experts,
-                expert_format=expert_format, ctx_size=ctx_size, indexer_keys=a.has_indexer)
+    label = "KV cache: latents + indexer keys" if family is V3Family and a.has_indexer else family.kv_label
+    plan = OffloadPlan(budget=budget, components=comps, kv_cache=kv,
+                       workspace=family.workspace_bytes(a, ctx_size, dense_bytes), slot_bytes=slot_bytes, n_slots=0,
+                       total_experts=n_moe * a.n_routed_experts, expert_format=expert_format, ctx_size=ctx_size,
+                       kv_label=label)
     free = budget - plan.resident
     plan.n_slots = max(min(free // slot_bytes, plan.total_experts), 0) if slot_bytes else 0
     min_slots = min(MIN_SLOTS_PER_TOPK * a.num_experts_per_tok, plan.total_experts)
