@@ -184,6 +184,37 @@ def test_offloaded_speculation_equals_resident(official):
     assert s["expert_cache"]["predictor_by_layer_kind"]["hash"]["recall"] == 1.0
 
 
+def test_eager_executor_and_the_predictor_through_mhc(official):
+    """V4 runs on the eager executor on every device (the compiled CPU step and the graphs are the V3 family's);
+    the predictor's distance 0 is the layer event's routing, and a later block's prediction is its own router input
+    of the current streams through its gate (bias, no groups); hash layers are not predicted from the streams."""
+    from dsv3lite.executors import choose
+    from dsv3lite.executors.eager import Eager
+    from dsv3lite.offload.predictor import RoutePredictor
+
+    model = load_v4(official, released_experts=True)
+    for device in ("cpu", "cuda"):
+        assert type(choose(model, torch.device(device))) is Eager
+    pred = RoutePredictor(model, lookahead=2)
+    seen = {}
+    handle = model.add_observer(on_layer=lambda block, h, routed: seen.setdefault(
+        block.layer_id, (pred.predict(block, h, routed), h.clone(), routed[1][1].tolist())))
+    n, hashed = model.args.num_hidden_layers, model.args.num_hash_layers
+    with torch.inference_mode():
+        model(torch.tensor([PROMPT]))
+        handle.remove()
+        for layer in range(n):
+            predicted, h, routing = seen[layer]
+            assert predicted.pop(layer) == (0, routing)
+            assert all(t >= hashed for t in predicted)
+            assert {t for t, (d, _) in predicted.items() if isinstance(d, int)} == \
+                {t for t in (layer + 1, layer + 2) if hashed <= t < n}
+            for target, (_, rows) in predicted.items():
+                gate = model.layers[target].ffn.gate
+                x = model.layers[target].router_input(h).flatten(0, 1)
+                assert rows == (gate.scores(x) + gate.bias).topk(2, dim=-1, sorted=False).indices.tolist()
+
+
 @pytest.fixture(scope="module")
 def geometry_dir(tmp_path_factory):
     return write_v4_official(tmp_path_factory.mktemp("v4geometry") / "ckpt", v4_geometry_config())
