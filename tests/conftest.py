@@ -109,3 +109,12 @@ def v4_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ckpt-v4")
     return write_v4_pair(root / "official", root / "hf", "tiny")[0]
+
+
+@pytest.fixture(scope="session")
+def v4_geometry_dir(tmp_path_factory):
+    """DeepSeek-V4-Flash's geometry (43 layers, 256 experts, top-6, 3 hash layers, its compress_ratios) at tiny widths,
+    in the released layout."""
+    from dsv3lite.testing_v4 import v4_geometry_config, write_v4_official
+
+    return write_v4_official(tmp_path_factory.mktemp("ckpt-v4geometry") / "geometry", v4_geometry_config())

@@ -14,7 +14,7 @@ from dsv3lite.errors import UserError
 from dsv3lite.experts import BlobExperts
 from dsv3lite.kernels import cpu_experts
 from dsv3lite.testing_v4 import (FLASH_RATIOS, official_tensors, release_dtype, v4_flash_slice_config,
-                                 v4_geometry_config, write_v4_official, write_v4_pair)
+                                 v4_geometry_config, write_v4_pair)
 from dsv3lite.v4.cache import new_cache
 from dsv3lite.v4.config import V4Args
 from dsv3lite.v4.loader import load_v4
@@ -86,9 +86,8 @@ def test_dspark_drafter_is_not_read(official, tmp_path):
         assert torch.equal(model(ids), load_v4(official, mtp=False, **QUIET)(ids))
 
 
-def test_geometry_checkpoint(tmp_path):
-    cfg = v4_geometry_config()
-    path = write_v4_official(tmp_path / "geometry", cfg)
+def test_geometry_checkpoint(v4_geometry_dir):
+    cfg, path = v4_geometry_config(), v4_geometry_dir
     args = ModelArgs.from_dir(path)
     assert (args.num_hidden_layers, args.n_routed_experts, args.num_experts_per_tok, args.num_hash_layers) == \
         (43, 256, 6, 3)

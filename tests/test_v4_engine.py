@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import dsv3lite
 from dsv3lite import generate
 from dsv3lite.testing import offload_budget
-from dsv3lite.testing_v4 import v4_geometry_config, write_v4_official, write_v4_pair
+from dsv3lite.testing_v4 import write_v4_pair
 from dsv3lite.v4.loader import load_v4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -215,17 +215,12 @@ def test_eager_executor_and_the_predictor_through_mhc(official):
                 assert rows == (gate.scores(x) + gate.bias).topk(2, dim=-1, sorted=False).indices.tolist()
 
 
-@pytest.fixture(scope="module")
-def geometry_dir(tmp_path_factory):
-    return write_v4_official(tmp_path_factory.mktemp("v4geometry") / "ckpt", v4_geometry_config())
-
-
-def test_geometry_offloaded_equals_resident(geometry_dir):
+def test_geometry_offloaded_equals_resident(v4_geometry_dir):
     """V4-Flash's routing geometry (43 layers, 256 experts, top-6, 3 hash layers) at about 10% of its experts."""
     prompt = list(range(5, 17))
-    resident = tokens(load(geometry_dir, mtp=False, ctx_size=64).generate(prompt, max_tokens=6))
-    budget = offload_budget(geometry_dir, 1100, None, ctx=64, mtp=False)
-    off = load(geometry_dir, mtp=False, ctx_size=64, gpu_mem=budget, miss_policy="fetch")
+    resident = tokens(load(v4_geometry_dir, mtp=False, ctx_size=64).generate(prompt, max_tokens=6))
+    budget = offload_budget(v4_geometry_dir, 1100, None, ctx=64, mtp=False)
+    off = load(v4_geometry_dir, mtp=False, ctx_size=64, gpu_mem=budget, miss_policy="fetch")
     assert off.offload.cache.n_slots == 1100
     assert tokens(off.generate(prompt, max_tokens=6)) == resident
     s = off.stats()["expert_cache"]
