@@ -128,8 +128,9 @@ class OffloadRuntime:
         self.predictor_counts: dict[int, list[int]] = {}  # distance -> [true positives, predicted, actual]
         self.kind_counts: dict[str, list[int]] = {}       # "hash" | "learned" layers -> the same
         self.token_tables: dict[int, torch.Tensor] = {}   # hash layer -> tid2eid [vocab, K] on the host (attach)
-        self.token_rows: dict[int, list[list[int]]] = {}  # hash layer -> expert rows of the announced tokens to come
-        self.token_pins: set = set()                      # their (layer, expert) keys, pinned until the layer runs
+        self.announced: list[int] = []                    # the tokens announced for the forwards to come
+        self.consumed: dict[int, int] = {}                # hash layer -> how many of them its forwards ran
+        self.token_pins: set = set()                      # their experts' keys, pinned until their layer runs
         # decode through the fused MoE kernel (it has no SwiGLU clamp)
         self.fused = dispatch.use_kernels(device) and fmt.fused_kernel and limit is None
         # CPU tier with the compiled kernel: a decode step's experts in one kernel call (slots and CPU-assigned
@@ -168,37 +169,37 @@ class OffloadRuntime:
 
     # --- prediction and prefetch ----------------------------------------------------------------
     def expect_tokens(self, tokens: list[int], more: bool = False) -> None:
-        """The tokens the next main forward starts with (more: tokens it also runs, after those announced; an MTP
+        """The tokens the next main forwards run, from their first (more: after those announced before; an MTP
         draft): the hash layers' experts for them are known now, so they are pinned and prefetched at once, the
         nearest layer first and each layer's experts by their use in these tokens (a prompt's union)."""
         if not self.token_tables:
             return
         if not more:
             self.slots.unpin(self.token_pins)
-            self.token_rows, self.token_pins = {}, set()
-        uses: dict = {}
+            self.announced, self.token_pins = [], set()
+            self.consumed = dict.fromkeys(self.token_tables, 0)
+        self.announced += tokens
+        known = []
         for layer, table in self.token_tables.items():
-            rows = table[tokens].tolist()
-            self.token_rows.setdefault(layer, []).extend(rows)
-            for row in rows:
-                for e in row:
-                    uses[(layer, e)] = uses.get((layer, e), 0) + 1
-        known = sorted(uses, key=lambda key: (key[0], -uses[key], key[1]))
+            experts, uses = table[torch.tensor(tokens)].flatten().unique(return_counts=True)
+            known += [(layer, e) for _, e in sorted(zip((-uses).tolist(), experts.tolist()))]
         self.token_pins |= set(known)
         self.slots.pin(known)
-        self.prefetch_queue = known + [k for k in self.prefetch_queue if k not in uses]
+        self.prefetch_queue = known + [k for k in self.prefetch_queue if k not in self.token_pins]
         self._prefetch()
 
-    def _take_token_rows(self, layer_id: int, n: int) -> None:
-        """Hash layer `layer_id` runs a forward of n tokens: its next n announced rows are this forward's
-        prediction (scored against what it uses); its pins go once nothing announced is left."""
-        rows = self.token_rows.get(layer_id)
-        if not rows:
+    def _take_announced(self, layer_id: int, n: int) -> None:
+        """Hash layer `layer_id` runs a forward of n tokens: the experts of its next n announced tokens are this
+        forward's prediction (scored against what it uses); its pins go once nothing announced is left."""
+        start = self.consumed.get(layer_id, 0)
+        if start >= len(self.announced):
             return
-        taken, self.token_rows[layer_id] = rows[:n], rows[n:]
+        taken = self.announced[start:start + n]
+        self.consumed[layer_id] = start + n
         if len(taken) == n:
-            self.pending.setdefault(layer_id, []).append((TOKEN_ROUTED, {e for row in taken for e in row}))
-        if not self.token_rows[layer_id]:
+            predicted = set(self.token_tables[layer_id][torch.tensor(taken)].flatten().tolist())
+            self.pending.setdefault(layer_id, []).append((TOKEN_ROUTED, predicted))
+        if start + n >= len(self.announced):
             self.token_pins = {k for k in self.token_pins if k[0] != layer_id}
 
     def after_attention(self, layer, h: torch.Tensor, routed=None) -> None:
@@ -253,7 +254,7 @@ class OffloadRuntime:
                     self.check_device_memory()
         rows = self.known_ids.pop(layer_id, None)
         if layer_id in self.token_tables:
-            self._take_token_rows(layer_id, n)           # scored as this forward's prediction (never computed from)
+            self._take_announced(layer_id, n)            # scored as this forward's prediction (never computed from)
         if rows is None or len(rows) != n:
             rows = ids.tolist()
         counts = self.per_layer.get(layer_id)
