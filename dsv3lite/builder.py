@@ -32,7 +32,6 @@ def kernel_blobs_at_load(args: ModelArgs, experts: str | None, device: torch.dev
     with the Triton kernels, for the fused MoE kernel: a decode step then reads no routing back to the host (one
     CUDA graph a step, graphs.py), and the experts take the bytes the --gpu-mem plan counted for them (an FP8
     checkpoint's dense experts would be bf16, twice its fp8 blobs)."""
-    from .footprint import footprint
     from .generate import SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
     from .kernels import cpu_build, dispatch
 
@@ -40,7 +39,7 @@ def kernel_blobs_at_load(args: ModelArgs, experts: str | None, device: torch.dev
         return None
     if device.type == "cuda":
         return "the fused MoE kernel" if dispatch.use_kernels(device) else None
-    large = footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
+    large = family_of(args).footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
     return "the CPU expert kernel" if device.type == "cpu" and large and cpu_build.library() is not None else None
 
 

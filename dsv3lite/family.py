@@ -20,17 +20,17 @@ class V3Family:
 
     @staticmethod
     def footprint(a):
-        from .footprint import v3_footprint
-        return v3_footprint(a)
+        from .footprint import footprint
+        return footprint(a)
 
     @staticmethod
     def resident_components(a, dense_bytes: int, mtp: bool, weight_bytes: float | None = None) -> dict[str, int]:
-        from .offload.planner import resident_components
+        from .footprint import resident_components
         return resident_components(a, dense_bytes, mtp, weight_bytes)
 
     @staticmethod
     def workspace_bytes(a, ctx_size: int, dense_bytes: int) -> int:
-        from .offload.planner import workspace_bytes
+        from .footprint import workspace_bytes
         return workspace_bytes(a, ctx_size, dense_bytes)
 
     @staticmethod

@@ -114,9 +114,9 @@ SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS = 50_000_000
 
 def decode_threads(args, device: torch.device) -> int | None:
     """Intra-op threads for eager CPU decode steps: 1 for tiny models, None (torch's setting) otherwise."""
-    from .footprint import footprint
+    from .family import family_of
 
-    if device.type != "cpu" or footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS:
+    if device.type != "cpu" or family_of(args).footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS:
         return None
     return 1
 

@@ -88,6 +88,14 @@ def expert_tensor_name(layer_id: int, expert: int, proj: str) -> str:
     return f"model.layers.{layer_id}.mlp.experts.{expert}.{proj}.weight"
 
 
+EXPERT_BLOBS = "mlp.experts.blobs"     # a quantized directory's routed experts of layer i: model.layers.{i}.<this>
+
+
+def blob_name(layer_id: int) -> str:
+    """The uint8 [n_experts, blob_bytes] tensor of one MoE layer's blobs in a quantized directory (quant/)."""
+    return f"model.layers.{layer_id}.{EXPERT_BLOBS}"
+
+
 def map_name(ckpt_name: str, args: ModelArgs) -> Target | None:
     """Checkpoint name -> Target; None for tensors that are deliberately not loaded (MTP copies)."""
     if ckpt_name in TOP_NAMES:
@@ -249,10 +257,8 @@ def has_weights(root: Path) -> bool:
 
 
 def has_mtp(root: Path, args: ModelArgs) -> bool:
-    """Whether the checkpoint at `root` carries the MTP layer its config declares (its family's mtp_status)."""
-    from .family import family_of
-
-    return args.num_nextn_predict_layers >= 1 and family_of(args).mtp_status(CheckpointIndex.open(root), args)[0]
+    """Whether the checkpoint at `root` carries the MTP layer its config declares (see mtp_status)."""
+    return args.num_nextn_predict_layers >= 1 and mtp_status(CheckpointIndex.open(root), args)[0]
 
 
 # ---- reading tensors --------------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ import torch
 from ..config import ModelArgs
 from ..errors import UserError
 from ..family import family_of
-from ..hf_checkpoint import (PROJECTIONS, CheckpointIndex, TensorReader, check_fp8_scale, expert_tensor_name,
-                             is_scale_name, scale_names)
+from ..hf_checkpoint import (PROJECTIONS, CheckpointIndex, TensorReader, blob_name, check_fp8_scale,
+                             expert_tensor_name, is_scale_name, scale_names)
 from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits
 from .formats import format_for_layout, get_format
 from .fp8 import fp8_block_dequant
@@ -61,13 +61,6 @@ PAUSE_ENV = "DSV3LITE_TEST_PAUSE_AFTER_LAYERS"
 
 class QuantizeInterrupted(UserError):
     """Ctrl-C during quantize: DST.partial/ is consistent and `--resume` continues it."""
-
-
-BLOBS = "mlp.experts.blobs"         # a layer's blob tensor: model.layers.{i}.<BLOBS>
-
-
-def blob_name(layer_id: int) -> str:
-    return f"model.layers.{layer_id}.{BLOBS}"
 
 
 def _natural_key(name: str):

@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from dsv3lite.limits import MAX_DRAFT_TOKENS
-from dsv3lite.testing_v4 import v4_config, write_v4_pair
+from dsv3lite.testing_v4 import load_v4, v4_config, write_v4_pair
 from dsv3lite.v4.cache import new_cache
 from dsv3lite.v4.checkpoint import checkpoint_name
 from dsv3lite.v4.config import CSA, HCA, SLIDING
-from dsv3lite.v4.loader import load_v4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = dict(log=lambda m: None)

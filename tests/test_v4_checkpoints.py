@@ -13,11 +13,10 @@ from dsv3lite.config import ModelArgs
 from dsv3lite.errors import UserError
 from dsv3lite.experts import BlobExperts
 from dsv3lite.kernels import cpu_experts
-from dsv3lite.testing_v4 import (FLASH_RATIOS, official_tensors, release_dtype, v4_flash_slice_config,
+from dsv3lite.testing_v4 import (FLASH_RATIOS, load_v4, official_tensors, release_dtype, v4_flash_slice_config,
                                  v4_geometry_config, write_v4_pair)
 from dsv3lite.v4.cache import new_cache
 from dsv3lite.v4.config import V4Args
-from dsv3lite.v4.loader import load_v4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = dict(log=lambda m: None)

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 import dsv3lite
 from dsv3lite import generate
 from dsv3lite.testing import offload_budget
-from dsv3lite.testing_v4 import write_v4_pair
-from dsv3lite.v4.loader import load_v4
+from dsv3lite.testing_v4 import load_v4, write_v4_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CTX = 160

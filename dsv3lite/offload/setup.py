@@ -15,7 +15,7 @@ from ..errors import UserError
 from ..experts import ExpertSource, expert_source
 from ..family import family_of
 from ..footprint import DENSE_WEIGHT_BYTES
-from ..hf_checkpoint import has_mtp, has_weights
+from ..hf_checkpoint import CheckpointIndex, has_weights
 from ..utils import format_bytes, parse_size
 from .options import OffloadOptions
 from .planner import OffloadPlan, make_plan
@@ -54,7 +54,9 @@ def plan_for(root: Path, args: ModelArgs, budget: int, ctx_size: int, experts: s
     if source is None:
         source = expert_source(root, args, experts, blobs_required=True)
     weights_here = has_weights(root)
-    with_mtp = mtp and (has_mtp(root, args) if weights_here else args.num_nextn_predict_layers >= 1)
+    with_mtp = mtp and args.num_nextn_predict_layers >= 1
+    if with_mtp and weights_here:
+        with_mtp = family_of(args).mtp_status(CheckpointIndex.open(root), args)[0]
     dense_bytes = torch.empty((), dtype=dtype).element_size()
     plan = make_plan(args, budget, ctx_size, source.layout.blob_bytes, source.fmt.name, dense_bytes=dense_bytes,
                      mtp=with_mtp, weight_bytes=DENSE_WEIGHT_BYTES[dense] if dense else None)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import re
 
-from ..hf_checkpoint import Target
-from ..quant.checkpoint import BLOBS
+from ..hf_checkpoint import EXPERT_BLOBS, Target
 from .config import V4Args
 
 HF_PREFIX = "model."
@@ -43,7 +42,7 @@ def official_name(name: str) -> str:
 def map_name(name: str, args: V4Args) -> Target | None:
     """Checkpoint name (either layout) -> Target; None for tensors deliberately not loaded (a DSpark drafter's
     mtp.1, mtp.2, ..., and mtp.* when the network has no MTP)."""
-    if name.endswith(BLOBS):
+    if name.endswith(EXPERT_BLOBS):
         return None                                     # a quantized directory's expert blobs (quant/checkpoint.py)
     name = official_name(name)
     if name in HC_NAMES:

@@ -1,16 +1,12 @@
 """Loading DeepSeek-V4 checkpoints (official or transformers layout) through the project's Loader: the V4 network,
-its name table (checkpoint.py), its fp32 / integer tensors, and MXFP4 experts decoded exactly (or, given an expert
-provider, served as released: experts.expert_source) (FP8 weights with ue8m0 or float32 `.scale` grids take the
+its name table (checkpoint.py), its fp32 / integer tensors, and MXFP4 experts decoded exactly (served as released
+when an expert provider is given: experts.expert_source) (FP8 weights with ue8m0 or float32 `.scale` grids take the
 loader's FP8 path)."""
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import torch
 
 from ..errors import UserError
-from ..experts import BlobExperts, expert_source
 from ..hf_checkpoint import CheckpointIndex
 from ..loader import Loader
 from ..quant.mxfp4 import mxfp4_dequant
@@ -70,20 +66,3 @@ class V4Loader(Loader):
         if weight.dtype == torch.int8:                  # MXFP4 codes; the values are exact in bf16
             return mxfp4_dequant(weight, scale, torch.float32)
         return super().dequant(weight, scale)
-
-
-def load_v4(root: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-            mtp: bool = True, progress: bool = False, log=None, released_experts: bool = False) -> Transformer:
-    """A deepseek_v4 checkpoint directory -> the resident network: routed experts dequantized to `dtype`, or with
-    `released_experts` served as released (MXFP4 blobs repacked from the checkpoint, as dsv3lite.load serves them;
-    on the CPU through the packed kernel)."""
-    loader = V4Loader(root, torch.device(device), dtype, progress=progress, log=log)
-    if not released_experts:
-        return loader.load(mtp=mtp)
-    args = V4Args.from_dict(json.loads((Path(root) / "config.json").read_text()))
-    if args.released_experts is None:
-        raise UserError(f"the routed experts of {root} are not MXFP4 (no expert_dtype fp4): nothing to serve as "
-                        f"released")
-    source = expert_source(Path(root), args, None, blobs_required=True)
-    return loader.load(args, mtp=mtp, expert_provider=lambda layer: BlobExperts(
-        source.layer_blobs(layer).to(device), source.fmt, source.layout, limit=args.swiglu_limit))

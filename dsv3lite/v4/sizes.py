@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..footprint import Footprint
+from ..footprint import SLACK_BYTES, Footprint
 from ..limits import MAX_DRAFT_TOKENS, PREFILL_CHUNK
 from .attention import SCORE_ELEMENTS, Rotary
 from .cache import cache_class
@@ -14,7 +14,6 @@ from .config import V4Args
 from .loader import kept_dtype
 from .model import Block, HyperHead
 
-SLACK_BYTES = 64 * 2**20       # allocator rounding and small temporaries
 # parameter groups of a block, by module name prefix (the rest is attention, its mHC and the block's norms)
 GROUPS = (("ffn.experts.", "routed"), ("ffn.shared_experts.", "shared"), ("ffn.gate.", "router"))
 
