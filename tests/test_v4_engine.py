@@ -183,6 +183,13 @@ def test_offloaded_speculation_equals_resident(official):
     assert s["expert_cache"]["predictor_by_layer_kind"]["hash"]["recall"] == 1.0
 
 
+def test_what_v4_does_not_run_yet_is_one_line(official):
+    from dsv3lite.errors import UserError
+
+    with pytest.raises(UserError, match="--dense is not supported for DeepSeek-V4"):
+        load(official, dense="int8")
+
+
 def test_eager_executor_and_the_predictor_through_mhc(official):
     """V4 runs on the eager executor on every device (the compiled CPU step and the graphs are the V3 family's);
     the predictor's distance 0 is the layer event's routing, and a later block's prediction is its own router input
