@@ -9,7 +9,7 @@ import torch
 
 from .config import ModelArgs
 from .errors import UserError
-from .family import V3Family, family_of
+from .family import family_of
 from .utils import checkpoint_dir, format_bytes, resolve_device, resolve_dtype
 
 DEFAULT_CTX_SIZE = 4096
@@ -146,7 +146,7 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     check_dense(dense, dev)
     args = ModelArgs.from_dir(root)           # the family's args (family.py)
     family = family_of(args)
-    if dense is not None and family is not V3Family:
+    if dense is not None and not family.packs_dense:
         raise UserError(f"--dense is not supported for {family.name} checkpoints yet")
     if ctx_size is None:                       # the default: 4096, or less when the model is shorter
         ctx_size = min(DEFAULT_CTX_SIZE, args.max_position_embeddings)
@@ -178,8 +178,8 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
                                 dense=dense, source=source)
     provider = offload.provider if offload is not None else \
         resident_experts(source, args, experts, kernel, dev, log, offload_options.cpu_mem_bytes)
-    model = family.loader()(root, dev, dt, progress=progress, log=log, dense=dense).load(args, expert_provider=provider,
-                                                                                         mtp=mtp)
+    model = family.loader(root, dev, dt, progress=progress, log=log, dense=dense).load(args, expert_provider=provider,
+                                                                                       mtp=mtp)
     packed = sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
     if offload is not None:
         offload.attach(model)

@@ -8,121 +8,54 @@ on a family: by the class of its args, which config.ModelArgs.from_dict picks fr
 """
 from __future__ import annotations
 
-
-class V3Family:
-    name = "DeepSeek-V3"
-    kv_label = "latent KV cache"
-
-    @staticmethod
-    def loader():
-        from .loader import Loader
-        return Loader
-
-    @staticmethod
-    def footprint(a):
-        from .footprint import footprint
-        return footprint(a)
-
-    @staticmethod
-    def resident_components(a, dense_bytes: int, mtp: bool, weight_bytes: float | None = None) -> dict[str, int]:
-        from .footprint import resident_components
-        return resident_components(a, dense_bytes, mtp, weight_bytes)
-
-    @staticmethod
-    def workspace_bytes(a, ctx_size: int, dense_bytes: int) -> int:
-        from .footprint import workspace_bytes
-        return workspace_bytes(a, ctx_size, dense_bytes)
-
-    @staticmethod
-    def kv_cache_bytes(a, ctx_size: int, mtp: bool, value_bytes: int) -> int:
-        return (a.num_hidden_layers + int(mtp)) * ctx_size * a.cache_dim * value_bytes
-
-    @staticmethod
-    def mtp_status(index, a):
-        from .hf_checkpoint import mtp_status
-        return mtp_status(index, a)
-
-    @staticmethod
-    def map_name(name: str, a):
-        """A checkpoint tensor name -> hf_checkpoint.Target (module tensor, expert), or None (not loaded)."""
-        from .hf_checkpoint import map_name
-        return map_name(name, a)
-
-    @staticmethod
-    def stored_dtype(name: str, module_name: str) -> str:
-        """The safetensors dtype `quantize` writes a non-expert tensor in (--dense bf16)."""
-        from .hf_checkpoint import FP32_CHECKPOINT_SUFFIXES
-        return "F32" if name.endswith(FP32_CHECKPOINT_SUFFIXES) else "BF16"
-
-    @staticmethod
-    def expert_names(a, index):
-        """(layer, expert) -> the checkpoint names of its gate, up and down weights."""
-        from .hf_checkpoint import PROJECTIONS, expert_tensor_name
-        return lambda layer, e: tuple(expert_tensor_name(layer, e, p) for p in PROJECTIONS)
-
-    @staticmethod
-    def swiglu_limit(a) -> float | None:
-        return None
+import functools
+from dataclasses import dataclass
+from typing import Callable
 
 
-class V4Family:
-    name = "DeepSeek-V4"
-    kv_label = "KV cache: windows, compressed entries, index keys"
-
-    @staticmethod
-    def loader():
-        from .v4.loader import V4Loader
-        return V4Loader
-
-    @staticmethod
-    def footprint(a):
-        from .v4.sizes import footprint
-        return footprint(a)
-
-    @staticmethod
-    def resident_components(a, dense_bytes: int, mtp: bool, weight_bytes: float | None = None) -> dict[str, int]:
-        from .v4.sizes import resident_components
-        return resident_components(a, dense_bytes, mtp, weight_bytes)
-
-    @staticmethod
-    def workspace_bytes(a, ctx_size: int, dense_bytes: int) -> int:
-        from .v4.sizes import workspace_bytes
-        return workspace_bytes(a, ctx_size, dense_bytes)
-
-    @staticmethod
-    def kv_cache_bytes(a, ctx_size: int, mtp: bool, value_bytes: int) -> int:
-        from .v4.sizes import kv_cache_bytes
-        return kv_cache_bytes(a, ctx_size, mtp, value_bytes)
-
-    @staticmethod
-    def mtp_status(index, a):
-        from .v4.loader import mtp_status
-        return mtp_status(index, a)
-
-    @staticmethod
-    def map_name(name: str, a):
-        from .v4.checkpoint import map_name
-        return map_name(name, a)
-
-    @staticmethod
-    def stored_dtype(name: str, module_name: str) -> str:
-        import torch
-
-        from .v4.loader import kept_dtype
-        return {torch.float32: "F32", torch.int32: "I32"}.get(kept_dtype(module_name, torch.bfloat16), "BF16")
-
-    @staticmethod
-    def expert_names(a, index):
-        from .v4.checkpoint import expert_names
-        return expert_names(a, index)
-
-    @staticmethod
-    def swiglu_limit(a) -> float | None:
-        return a.swiglu_limit
+@dataclass(frozen=True)
+class Family:
+    name: str
+    loader: type                    # loader.Loader or the family's subclass
+    footprint: Callable             # args -> footprint.Footprint (parameter counts)
+    resident_components: Callable   # (args, dense_bytes, mtp, weight_bytes) -> {component: resident bytes}
+    workspace_bytes: Callable       # (args, ctx_size, dense_bytes) -> a prefill chunk's activations
+    kv_cache_bytes: Callable        # (args, ctx_size, mtp, value_bytes) -> every block's cache
+    kv_label: Callable              # args -> what the KV cache holds, in words
+    mtp_status: Callable            # (CheckpointIndex, args) -> (MTP block present?, note)
+    map_name: Callable              # (checkpoint name, args) -> hf_checkpoint.Target or None
+    stored_dtype: Callable          # (checkpoint name, module name) -> the dtype `quantize` writes a dense tensor in
+    expert_names: Callable          # (args, CheckpointIndex) -> ((layer, expert) -> gate, up, down names)
+    swiglu_limit: Callable          # args -> the routed and shared experts' SwiGLU clamp, or None
+    packs_dense: bool               # whether --dense packs its non-expert weights
 
 
-def family_of(args) -> type[V3Family] | type[V4Family]:
+def family_of(args) -> Family:
     """The family of a network described by `args` (a ModelArgs or a V4Args)."""
     from .v4.config import V4Args
 
-    return V4Family if isinstance(args, V4Args) else V3Family
+    return _v4() if isinstance(args, V4Args) else _v3()
+
+
+@functools.cache
+def _v3() -> Family:
+    from . import footprint, hf_checkpoint
+    from .loader import Loader
+
+    return Family(
+        "DeepSeek-V3", Loader, footprint.footprint, footprint.resident_components, footprint.workspace_bytes,
+        footprint.kv_cache_bytes,
+        lambda a: "KV cache: latents + indexer keys" if a.has_indexer else "latent KV cache",
+        hf_checkpoint.mtp_status, hf_checkpoint.map_name, lambda name, module: hf_checkpoint.stored_dtype(name),
+        lambda a, index: hf_checkpoint.expert_names, lambda a: None, packs_dense=True)
+
+
+@functools.cache
+def _v4() -> Family:
+    from .v4 import checkpoint, loader, sizes
+
+    return Family(
+        "DeepSeek-V4", loader.V4Loader, sizes.footprint, sizes.resident_components, sizes.workspace_bytes,
+        sizes.kv_cache_bytes, lambda a: "KV cache: windows, compressed entries, index keys", loader.mtp_status,
+        checkpoint.map_name, lambda name, module: loader.stored_dtype(module), checkpoint.expert_names,
+        lambda a: a.swiglu_limit, packs_dense=False)

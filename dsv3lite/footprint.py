@@ -143,6 +143,11 @@ def resident_components(a: ModelArgs, dense_bytes: int, mtp: bool, weight_bytes:
     return out
 
 
+def kv_cache_bytes(a: ModelArgs, ctx_size: int, mtp: bool, value_bytes: int) -> int:
+    """Every block's latent cache (the MTP layer's too when it runs) at `ctx_size` tokens."""
+    return (a.num_hidden_layers + int(mtp)) * ctx_size * a.cache_dim * value_bytes
+
+
 def workspace_bytes(a: ModelArgs, ctx_size: int, dense_bytes: int) -> int:
     """Activations of one prefill chunk: logits, MLP intermediates, expanded K/V for the naive attention."""
     chunk = min(PREFILL_CHUNK, ctx_size)

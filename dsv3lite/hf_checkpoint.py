@@ -88,6 +88,16 @@ def expert_tensor_name(layer_id: int, expert: int, proj: str) -> str:
     return f"model.layers.{layer_id}.mlp.experts.{expert}.{proj}.weight"
 
 
+def expert_names(layer_id: int, expert: int) -> tuple[str, str, str]:
+    """The checkpoint names of one routed expert's gate, up and down weights (quant.layout.MATRICES' order)."""
+    return tuple(expert_tensor_name(layer_id, expert, p) for p in PROJECTIONS)
+
+
+def stored_dtype(name: str) -> str:
+    """The safetensors dtype `quantize` writes a non-expert tensor in with --dense bf16: routers fp32, else bf16."""
+    return "F32" if name.endswith(FP32_CHECKPOINT_SUFFIXES) else "BF16"
+
+
 EXPERT_BLOBS = "mlp.experts.blobs"     # a quantized directory's routed experts of layer i: model.layers.{i}.<this>
 
 

@@ -37,8 +37,8 @@ import torch
 from ..config import ModelArgs
 from ..errors import UserError
 from ..family import family_of
-from ..hf_checkpoint import (PROJECTIONS, CheckpointIndex, TensorReader, blob_name, check_fp8_scale,
-                             expert_tensor_name, is_scale_name, scale_names)
+from ..hf_checkpoint import (CheckpointIndex, TensorReader, blob_name, check_fp8_scale, expert_names, is_scale_name,
+                             scale_names)
 from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits
 from .formats import format_for_layout, get_format
 from .fp8 import fp8_block_dequant
@@ -69,13 +69,8 @@ def _natural_key(name: str):
 
 # ---- packing experts from the source (read one tensor at a time by hf_checkpoint.TensorReader) ----------------
 
-def v3_expert_names(layer_id: int, expert: int) -> tuple[str, str, str]:
-    """The V3 family's checkpoint names of one routed expert's gate, up and down weights (family.py: each family's)."""
-    return tuple(expert_tensor_name(layer_id, expert, p) for p in PROJECTIONS)
-
-
 def read_expert(reader: TensorReader, layer_id: int, expert: int, layout: BlobLayout, reuse: bool = False,
-                names=v3_expert_names):
+                names=expert_names):
     """(weight, scale or None) of gate, up and down of one routed expert, shapes checked: a float weight, an FP8
     weight and its scale_inv, or MXFP4 codes and their scales (DeepSeek-V4). reuse: read into this thread's
     scratch buffers (valid until its next read_expert with reuse); names(layer, expert): the checkpoint's names."""
@@ -118,13 +113,13 @@ def pack_weights(weights, fmt: ExpertFormat, layout: BlobLayout, out: torch.Tens
 
 def pack_expert(reader: TensorReader, layer_id: int, expert: int, fmt: ExpertFormat, layout: BlobLayout,
                 out: torch.Tensor | None = None, device: torch.device | None = None,
-                names=v3_expert_names) -> torch.Tensor:
+                names=expert_names) -> torch.Tensor:
     """One expert of the source as a blob of `fmt` (see pack_weights; names: read_expert's)."""
     return pack_weights(read_expert(reader, layer_id, expert, layout, names=names), fmt, layout, out, device)
 
 
 def pack_experts(reader: TensorReader, jobs, fmt: ExpertFormat, layout: BlobLayout, device: torch.device | None = None,
-                 workers: int = 1, outs=None, names=v3_expert_names):
+                 workers: int = 1, outs=None, names=expert_names):
     """Yield ((layer, expert), blob) for each of `jobs` [(layer, expert), ...] in order. With workers > 1, that
     many experts are read and quantized at once in threads (torch ops and pread release the GIL) while the caller
     writes the blobs already yielded; `outs(layer, expert)` gives the tensor to fill, else each blob is new.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..config import ModelArgs
 from ..errors import UserError
-from ..family import V3Family, family_of
+from ..family import family_of
 from ..footprint import SLACK_BYTES, decode_graph_bytes, resident_components, workspace_bytes  # noqa: F401
 from ..utils import format_bytes
 
@@ -82,11 +82,10 @@ def make_plan(a: ModelArgs, budget: int, ctx_size: int, slot_bytes: int, expert_
     kv = family.kv_cache_bytes(a, ctx_size, mtp, kv_bytes or dense_bytes)
     comps = family.resident_components(a, dense_bytes, mtp, weight_bytes)
     n_moe = len(a.moe_layer_ids) + (1 if mtp else 0)
-    label = "KV cache: latents + indexer keys" if family is V3Family and a.has_indexer else family.kv_label
     plan = OffloadPlan(budget=budget, components=comps, kv_cache=kv,
                        workspace=family.workspace_bytes(a, ctx_size, dense_bytes), slot_bytes=slot_bytes, n_slots=0,
                        total_experts=n_moe * a.n_routed_experts, expert_format=expert_format, ctx_size=ctx_size,
-                       kv_label=label)
+                       kv_label=family.kv_label(a))
     free = budget - plan.resident
     plan.n_slots = max(min(free // slot_bytes, plan.total_experts), 0) if slot_bytes else 0
     min_slots = min(MIN_SLOTS_PER_TOPK * a.num_experts_per_tok, plan.total_experts)

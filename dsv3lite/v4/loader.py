@@ -27,6 +27,12 @@ def kept_dtype(module_name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if any(p in module_name for p in _FP32_PARTS) else dtype
 
 
+def stored_dtype(module_name: str) -> str:
+    """The safetensors dtype `quantize` writes a non-expert tensor in (--dense bf16): as the network keeps it."""
+    kept = kept_dtype(module_name, torch.bfloat16)
+    return {torch.float32: "F32", torch.int32: "I32"}.get(kept, "BF16")
+
+
 def mtp_status(index: CheckpointIndex, args: V4Args) -> tuple[bool, str | None]:
     """(MTP block present?, notice): off with a note when the checkpoint has no mtp.0.* tensors (transformers drops
     them) or carries a DSpark drafter instead; an error when it has only some."""
