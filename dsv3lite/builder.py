@@ -96,7 +96,7 @@ def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.d
     does not fit `budget` (too small for the resident set and the minimum of expert slots): "fp8" for an FP8
     checkpoint (128x128 blocks) whose plan fits with them kept in fp8, said in one log line; failing that, a note
     when --dense int4 would fit (the budget error follows). Else None."""
-    if dense is not None or device.type != "cuda":
+    if dense is not None or device.type != "cuda" or not family_of(args).packs_dense:
         return dense
     from .offload.setup import plan_for
 

@@ -188,6 +188,8 @@ def test_what_v4_does_not_run_yet_is_one_line(official):
 
     with pytest.raises(UserError, match="--dense is not supported for DeepSeek-V4"):
         load(official, dense="int8")
+    from dsv3lite.cli import main
+    assert main(["plan", "-w", str(official), "--gpu-mem", "1G", "--dense", "int8"]) != 0
 
 
 def test_eager_executor_and_the_predictor_through_mhc(official):

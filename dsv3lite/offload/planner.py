@@ -78,6 +78,8 @@ def make_plan(a: ModelArgs, budget: int, ctx_size: int, slot_bytes: int, expert_
     """Place everything resident; the rest of `budget` becomes expert slots. Too small -> UserError.
     weight_bytes: bytes per non-expert weight when they are packed (`--dense`), else dense_bytes."""
     family = family_of(a)
+    if weight_bytes is not None and not family.packs_dense:
+        raise UserError(f"--dense is not supported for {family.name} checkpoints yet")
     mtp = mtp and a.num_nextn_predict_layers > 0
     kv = family.kv_cache_bytes(a, ctx_size, mtp, kv_bytes or dense_bytes)
     comps = family.resident_components(a, dense_bytes, mtp, weight_bytes)

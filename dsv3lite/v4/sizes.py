@@ -94,7 +94,8 @@ def footprint(a: V4Args) -> Footprint:
 
 def resident_components(a: V4Args, dense_bytes: int, mtp: bool, weight_bytes: float | None = None) -> dict[str, int]:
     """Bytes per resident component of a plan: every non-expert tensor as the loader keeps it (the compute dtype
-    of `dense_bytes`, fp32 where the network keeps fp32). weight_bytes (--dense) is not offered for V4."""
+    of `dense_bytes`, fp32 where the network keeps fp32). weight_bytes: --dense, which V4 does not offer (the
+    planner refuses it first)."""
     dtype = {2: torch.bfloat16, 4: torch.float32}[dense_bytes]
     blocks = _by_kind(a, lambda i: block_bytes(a, i, dtype, f"layers.{i}."), range(a.num_hidden_layers))
     d, vocab, mix = a.hidden_size, a.vocab_size, _head_mix_params(a)
