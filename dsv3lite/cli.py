@@ -377,12 +377,15 @@ def info(weights, as_json, dense):
     """Config summary, parameter counts (total / active), bytes per component as stored, KV bytes per token."""
     from .builder import resolve_weights
     from .config import ModelArgs
-    from .footprint import footprint
+    from .family import family_of
     from .quant.checkpoint import is_quantized_dir, read_manifest
 
     root = resolve_weights(weights)
     a = ModelArgs.from_dir(root)
-    fp = footprint(a)
+    family = family_of(a)
+    if dense is not None and not family.packs_dense:
+        raise UserError(f"--dense is not supported for {family.name} checkpoints yet")
+    fp = family.footprint(a)
     comps = {"embeddings": fp.embed, "lm_head": fp.head, "attention+norms": fp.attention, "dense MLPs": fp.dense_mlp,
              "routers": fp.routers, "shared experts": fp.shared_experts, "routed experts": fp.routed_experts,
              "MTP (non-expert)": fp.mtp_dense, "MTP routed experts": fp.mtp_routed_experts}
@@ -411,16 +414,11 @@ def info(weights, as_json, dense):
         click.echo(json.dumps({"weights": str(root), "model_type": a.model_type, "total_params": fp.total,
                                "active_params": fp.active, "components": comps, "component_bytes": sizes,
                                "stored_as": stored, "kv_bytes_per_token": a.kv_bytes_per_token,
-                               "host_tier_bytes": host_tier}))
+                               "host_tier_bytes": host_tier, **family.info_json(a)}))
         return
-    moe = a.moe_layer_ids
-    click.echo(f"{root}\n  model_type {a.model_type}: {a.num_hidden_layers} layers ({len(moe)} MoE), hidden {a.hidden_size}, "
-               f"{a.num_attention_heads} heads, vocab {a.vocab_size}")
-    click.echo(f"  MLA: q_lora_rank {a.q_lora_rank}, kv_lora_rank {a.kv_lora_rank}, rope {a.qk_rope_head_dim} "
-               f"({a.rope_type}{f' x{a.rope_factor:g}' if a.rope_type == 'yarn' else ''}), softmax scale {a.softmax_scale:.6f}")
-    click.echo(f"  MoE: {a.n_routed_experts} routed experts of {a.moe_intermediate_size} (top-{a.num_experts_per_tok}, "
-               f"{a.scoring_func}/{a.topk_method}, groups {a.n_group}/{a.topk_group}), {a.n_shared_experts} shared")
-    click.echo(f"  MTP layers: {a.num_nextn_predict_layers}; FP8 checkpoint: {'yes' if a.fp8_block_size else 'no'}")
+    click.echo(str(root))
+    for line in family.info_lines(a):
+        click.echo(line)
     click.echo(f"  parameters: {format_count(fp.total)} total, {format_count(fp.active)} active per token"
                + (f" (+{format_count(fp.mtp_dense + fp.mtp_routed_experts)} MTP)" if fp.mtp_dense else ""))
     click.echo(f"  bytes per component ({stored}):")
@@ -428,9 +426,8 @@ def info(weights, as_json, dense):
         if v:
             click.echo(f"    {k:<20} {format_count(v):>8} params  {format_bytes(sizes[k]):>12}")
     click.echo(f"  host tier when offloaded: {format_bytes(host_tier)} of routed-expert blobs ({stored.split(';')[0]})")
-    values = f"{a.latent_dim} latent" + (f" + {a.index_dim} indexer-key" if a.index_dim else "")
-    click.echo(f"  KV cache: {values} values/token/layer = {format_bytes(a.kv_bytes_per_token)} per token "
-               f"(bf16, {a.num_hidden_layers} layers)")
+    for line in family.kv_lines(a):
+        click.echo(line)
 
 
 @cli.command(short_help="Write an HF checkpoint with int4/fp8/nf4/bf16 experts.")

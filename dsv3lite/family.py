@@ -27,6 +27,9 @@ class Family:
     stored_dtype: Callable          # (checkpoint name, module name) -> the dtype `quantize` writes a dense tensor in
     expert_names: Callable          # (args, CheckpointIndex) -> ((layer, expert) -> gate, up, down names)
     swiglu_limit: Callable          # args -> the routed and shared experts' SwiGLU clamp, or None
+    info_lines: Callable            # args -> `dsv3lite info`'s lines on the architecture
+    kv_lines: Callable              # args -> its lines on the KV cache
+    info_json: Callable             # args -> keys `dsv3lite info --json` adds for the family
     packs_dense: bool               # whether --dense packs its non-expert weights
 
 
@@ -47,7 +50,8 @@ def _v3() -> Family:
         footprint.kv_cache_bytes,
         lambda a: "KV cache: latents + indexer keys" if a.has_indexer else "latent KV cache",
         hf_checkpoint.mtp_status, hf_checkpoint.map_name, lambda name, module: hf_checkpoint.stored_dtype(name),
-        lambda a, index: hf_checkpoint.expert_names, lambda a: None, packs_dense=True)
+        lambda a, index: hf_checkpoint.expert_names, lambda a: None, footprint.info_lines, footprint.kv_lines,
+        lambda a: {}, packs_dense=True)
 
 
 @functools.cache
@@ -58,4 +62,4 @@ def _v4() -> Family:
         "DeepSeek-V4", loader.V4Loader, sizes.footprint, sizes.resident_components, sizes.workspace_bytes,
         sizes.kv_cache_bytes, lambda a: "KV cache: windows, compressed entries, index keys", loader.mtp_status,
         checkpoint.map_name, lambda name, module: loader.stored_dtype(module), checkpoint.expert_names,
-        lambda a: a.swiglu_limit, packs_dense=False)
+        lambda a: a.swiglu_limit, sizes.info_lines, sizes.kv_lines, sizes.info_json, packs_dense=False)

@@ -116,6 +116,29 @@ def unpacked_attention_params(a: ModelArgs) -> int:
     return wkv_b + a.kv_lora_rank + (a.q_lora_rank or 0) + 2 * a.hidden_size
 
 
+# --- what `dsv3lite info` says of the network ------------------------------------------------------------
+
+def info_lines(a: ModelArgs) -> list[str]:
+    """The architecture lines of `dsv3lite info` (its parameters and bytes follow them)."""
+    return [
+        f"  model_type {a.model_type}: {a.num_hidden_layers} layers ({len(a.moe_layer_ids)} MoE), hidden {a.hidden_size}, "
+        f"{a.num_attention_heads} heads, vocab {a.vocab_size}",
+        f"  MLA: q_lora_rank {a.q_lora_rank}, kv_lora_rank {a.kv_lora_rank}, rope {a.qk_rope_head_dim} "
+        f"({a.rope_type}{f' x{a.rope_factor:g}' if a.rope_type == 'yarn' else ''}), softmax scale {a.softmax_scale:.6f}",
+        f"  MoE: {a.n_routed_experts} routed experts of {a.moe_intermediate_size} (top-{a.num_experts_per_tok}, "
+        f"{a.scoring_func}/{a.topk_method}, groups {a.n_group}/{a.topk_group}), {a.n_shared_experts} shared",
+        f"  MTP layers: {a.num_nextn_predict_layers}; FP8 checkpoint: {'yes' if a.fp8_block_size else 'no'}"]
+
+
+def kv_lines(a: ModelArgs) -> list[str]:
+    """`dsv3lite info`'s KV cache line."""
+    from .utils import format_bytes
+
+    values = f"{a.latent_dim} latent" + (f" + {a.index_dim} indexer-key" if a.index_dim else "")
+    return [f"  KV cache: {values} values/token/layer = {format_bytes(a.kv_bytes_per_token)} per token "
+            f"(bf16, {a.num_hidden_layers} layers)"]
+
+
 # --- a --gpu-mem plan's bytes (offload/planner.py) ---------------------------------------------------------
 
 def resident_components(a: ModelArgs, dense_bytes: int, mtp: bool, weight_bytes: float | None = None) -> dict[str, int]:

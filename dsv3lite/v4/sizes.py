@@ -131,3 +131,56 @@ def workspace_bytes(a: V4Args, ctx_size: int, dense_bytes: int) -> int:
     experts = chunk * a.num_experts_per_tok * 3 * a.moe_intermediate_size * 4
     logits = (MAX_DRAFT_TOKENS + 1) * a.vocab_size * 4 * 2
     return streams + heads + 3 * 4 * scores + experts + logits + SLACK_BYTES
+
+
+# --- what `dsv3lite info` says of a V4 network -------------------------------------------------------------
+
+def kv_by_kind(a: V4Args) -> dict[str, dict]:
+    """Per attention kind: the blocks of that kind (the MTP block's included), the bytes a token adds to each and
+    the bytes each holds whatever the context (bf16 values, fp32 compressor state)."""
+    blocks = range(a.num_hidden_layers + int(_with_mtp(a)))
+    out: dict[str, dict] = {}
+    for i in blocks:
+        kind = a.attn_kind(i)
+        cls = cache_class(kind)
+        row = out.setdefault(kind, {"blocks": 0, "bytes_per_token": cls.bytes_per_token(a),
+                                    "fixed_bytes": cls.fixed_bytes(a)})
+        row["blocks"] += 1
+    return out
+
+
+def info_lines(a: V4Args) -> list[str]:
+    """The architecture lines of `dsv3lite info` for a V4 network (its parameters and bytes follow them)."""
+    kinds = [a.attn_kind(i) for i in range(a.num_hidden_layers)]
+    n = {k: kinds.count(k) for k in ("sliding", "csa", "hca")}
+    experts = {"fp4": "MXFP4, served as released", "fp8": "FP8"}.get(a.expert_dtype or "", None) or \
+        ("FP8" if a.fp8_block_size else "as the dense weights")
+    return [
+        f"  model_type {a.model_type}: {a.num_hidden_layers} layers (all MoE), hidden {a.hidden_size} x {a.hc_mult} "
+        f"mHC streams, {a.num_attention_heads} heads, vocab {a.vocab_size}",
+        f"  attention: one {a.head_dim}-wide key = value per token (RoPE on {a.qk_rope_head_dim}), q_lora_rank "
+        f"{a.q_lora_rank}, {a.o_groups} output groups of {a.o_lora_rank}; a {a.sliding_window}-token window in every "
+        f"layer; {n['sliding']} sliding only, {n['csa']} CSA (an entry per {a.compress_rate_csa} tokens, indexer "
+        f"{a.index_n_heads} x {a.index_head_dim}, top-{a.index_topk}), {n['hca']} HCA (an entry per "
+        f"{a.compress_rate_hca} tokens)",
+        f"  MoE: {a.n_routed_experts} routed experts of {a.moe_intermediate_size} (top-{a.num_experts_per_tok}, "
+        f"sqrt-softplus, the first {a.num_hash_layers} layers routed by token id), {a.n_shared_experts} shared, SwiGLU "
+        f"clamped at {a.swiglu_limit:g}; routed experts {experts}",
+        f"  MTP block: {'none' if not _with_mtp(a) else a.attn_kind(a.mtp_layer_id)}"
+        + (f" ({a.load_notes()[0][6:]})" if a.drafter else "") + f"; FP8 checkpoint: {'yes' if a.fp8_block_size else 'no'}",
+    ]
+
+
+def kv_lines(a: V4Args) -> list[str]:
+    """`dsv3lite info`'s KV cache line: each attention kind's cache object."""
+    from ..utils import format_bytes
+
+    per_kind = ", ".join(f"{k} {v['bytes_per_token']} B/token + {format_bytes(v['fixed_bytes'])} (x{v['blocks']})"
+                         for k, v in kv_by_kind(a).items())
+    return [f"  KV cache per layer kind (bf16, compressor state fp32): {per_kind}; {a.kv_bytes_per_token:,} B per "
+            f"token + {format_bytes(a.kv_fixed_bytes)} in all"]
+
+
+def info_json(a: V4Args) -> dict:
+    """`dsv3lite info --json`'s V4 keys: the KV cache per layer kind."""
+    return {"kv_fixed_bytes": a.kv_fixed_bytes, "kv_by_layer_kind": kv_by_kind(a)}
