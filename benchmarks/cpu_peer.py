@@ -11,7 +11,10 @@ Tables (medians of alternating rounds, both sides with the same thread count):
       llama.cpp F32 / Q4_0 / Q8_0 (llama-bench), decode and prefill, MTP off (llama.cpp has none for V3) and
       dsv3lite with MTP;
   (c) a slice of DeepSeek-V3 at its real widths (3 layers of which 1 dense, 16 routed experts, bf16 HF checkpoint
-      written by dsv3lite.testing_realwidth): decode, dsv3lite's CPU configurations vs llama.cpp Q4_0 and Q8_0.
+      written by dsv3lite.testing_realwidth): decode, dsv3lite's CPU configurations vs llama.cpp Q4_0 and Q8_0;
+  (k) one Kimi-K2-Thinking / K2.5 routed expert (the same 7168 x 2048 shape) at batch 1: int4g32, the int4 its
+      experts are released in, next to int4 g128 and ggml Q4_0 as in (a), and each kernel's error against the
+      exact product of its own weights (its int8 activations per group: 32 for int4g32, 128 for int4).
 
 llama.cpp is built once into ~/.cache/dsv3lite/llama.cpp from the llama-cpp-python source package (pip download,
 cmake, CPU backend, native flags; about 8 minutes on 2 cores), only when this script needs it and never in tests or
@@ -22,6 +25,7 @@ for the 1-minute load average to fall below --quiet, and reports the load it sta
     python benchmarks/cpu_peer.py                          # tables a, b, c; 2 threads; 5 rounds
     python benchmarks/cpu_peer.py --tables a --threads 1,2 --rounds 7
     python benchmarks/cpu_peer.py --tables q               # the kernels' numerics: quality on the demo
+    python benchmarks/cpu_peer.py --tables k --rounds 7    # Kimi's int4g32 expert against int4 and Q4_0
 """
 from __future__ import annotations
 
@@ -48,6 +52,8 @@ ROTATE_BYTES = 400e6                         # weights touched per round: past a
 # AVX2 / AVX-512 paths a CPU without AMX runs (CPU_REPACK: Q4_0 interleaved 8x8; CPU: plain blocks)
 GGML_ROWS = (("q4_0", "auto"), ("q4_0", "CPU_REPACK"), ("q4_k", "auto"), ("q8_0", "auto"), ("q8_0", "CPU"),
              ("bf16", "auto"))
+KIMI_FORMATS = ("int4g32", "int4")          # table k: Kimi's released int4 and dsv3lite's own, beside Q4_0
+KIMI_GGML_ROWS = (("q4_0", "auto"), ("q4_0", "CPU_REPACK"))
 
 
 def log(msg: str) -> None:
@@ -365,6 +371,17 @@ class ExpertPool:
             self.pool[i].copy_(self.pool[0])
         self.x = torch.randn(1, EXPERT_D, generator=gen)
 
+    def error(self) -> float:
+        """Relative error of the kernel's output for self.x against the exact product of the blob's own weights
+        (dequantized in fp32): what its rounding of the activations costs."""
+        from dsv3lite.kernels.cpu_experts import cpu_experts_forward, expert_weights_ref
+        from dsv3lite.quant.layout import swiglu_ref
+
+        one = torch.zeros(1, 1, dtype=torch.long)
+        got = cpu_experts_forward(self.x, one, torch.ones(1, 1), self.pool[:1], self.layout)
+        want = swiglu_ref(self.x.double(), *(w.double() for w in expert_weights_ref(self.pool[0], self.layout)))
+        return ((got.double() - want).norm() / want.norm()).item()
+
     def time(self, per_call: int, reps: int = 5) -> float:
         """Median seconds per expert, `per_call` experts of one token in each call."""
         from dsv3lite.kernels.cpu_experts import blob_pointers, cpu_experts_forward
@@ -386,35 +403,36 @@ class ExpertPool:
         return statistics.median(ts)
 
 
-def table_a(threads: list[int], rounds: int, formats: list[str]) -> dict:
+def table_a(threads: list[int], rounds: int, formats: list[str], ggml_rows=GGML_ROWS) -> dict:
     from dsv3lite.kernels import cpu_build
 
-    log(f"(a) CPU kernels: {cpu_build.status()}")
+    log(f"CPU kernels: {cpu_build.status()}")
     pools = {f: ExpertPool(f) for f in formats}
     res = {"threads": {}}
     for t in threads:
         torch.set_num_threads(t)
         bw = statistics.median(read_bandwidth(t) for _ in range(3))
         ours = {f"{f} x{k}": [] for f in formats for k in ((1,) if f == "nf4" else (1, 8))}
-        theirs = {f"{k} {b}": [] for k, b in GGML_ROWS}
+        theirs = {f"{k} {b}": [] for k, b in ggml_rows}
         sizes, used = {}, {}
         for _ in range(rounds):
             for f, p in pools.items():
                 for k in ((1,) if f == "nf4" else (1, 8)):
                     ours[f"{f} x{k}"].append(p.time(k))
                 sizes[f] = p.layout.blob_bytes
-            for k, b in GGML_ROWS:
+            for k, b in ggml_rows:
                 ms, nbytes, buffer = ggml_expert(k, t, buffer=b)
                 theirs[f"{k} {b}"].append(ms / 1e3)
                 sizes[k], used[f"{k} {b}"] = nbytes, buffer
         res["threads"][t] = {"bandwidth_gbs": bw, "ours": {k: statistics.median(v) for k, v in ours.items()},
                              "ggml": {k: statistics.median(v) for k, v in theirs.items()}, "bytes": sizes,
                              "buffers": used}
+    res["errors"] = {f: p.error() for f, p in pools.items() if f != "nf4"}
     return res
 
 
-def print_a(res: dict) -> None:
-    print("\n### (a) one DeepSeek-V3 routed expert, batch 1 (median ms; GB/s of weight bytes; fraction of read bandwidth)\n")
+def print_a(res: dict, title: str = "(a) one DeepSeek-V3 routed expert") -> None:
+    print(f"\n### {title}, batch 1 (median ms; GB/s of weight bytes; fraction of read bandwidth)\n")
     for t, r in res["threads"].items():
         bw = r["bandwidth_gbs"]
         print(f"{t} thread(s), read bandwidth {bw:.1f} GB/s\n")
@@ -431,6 +449,8 @@ def print_a(res: dict) -> None:
             print(f"| ggml {kind.upper()} ({r['buffers'][k]} buffer) | {r['bytes'][kind] / 1e6:.1f} MB | {s * 1e3:.2f} | "
                   f"{gbs:.1f} | {gbs / bw:.2f} |")
         print()
+    print("kernel output against the exact product of its weights (relative error): " +
+          ", ".join(f"{f} {e:.2e}" for f, e in res["errors"].items()) + "\n")
 
 
 # --- (b), (c): whole models ----------------------------------------------------------------------------------
@@ -576,6 +596,12 @@ def main():
         out["a"]["load"] = load
         print(f"\n(load average at start: {load:.2f})")
         print_a(out["a"])
+    if "k" in args.tables:
+        load = wait_for_quiet(args.quiet, args.wait)
+        out["k"] = table_a(threads, args.rounds, list(KIMI_FORMATS), KIMI_GGML_ROWS)
+        out["k"]["load"] = load
+        print(f"\n(load average at start: {load:.2f})")
+        print_a(out["k"], "(k) one Kimi-K2-Thinking / K2.5 routed expert (gate/up 2048x7168, down 7168x2048)")
     t = threads[-1]
     if "b" in args.tables:
         load = wait_for_quiet(args.quiet, args.wait)

@@ -122,6 +122,24 @@ def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.d
     return None
 
 
+def load_network(weights, device="cpu", dtype=torch.float32, progress: bool = False, log=None, mtp: bool = True):
+    """The network of a checkpoint as dsv3lite.load builds it resident, without an engine: its family's loader, the
+    routed experts as a resident run serves them (a quantized directory's blobs; a checkpoint's released format,
+    e.g. Kimi's int4 or DeepSeek-V4's MXFP4, repacked as stored and clamped as its family says; else dense)."""
+    from .experts import BlobExperts, expert_source
+
+    root, dev = resolve_weights(weights), resolve_device(device)
+    args = ModelArgs.from_dir(root)
+    family = family_of(args)
+    source = expert_source(root, args, None, blobs_required=False)
+    provider = None
+    if source is not None and (source.mapped or source.released):
+        limit = family.swiglu_limit(args)
+        provider = lambda layer: BlobExperts(source.layer_blobs(layer).to(dev), source.fmt, source.layout,  # noqa: E731
+                                             limit=limit)
+    return family.loader(root, dev, dtype, progress=progress, log=log).load(args, expert_provider=provider, mtp=mtp)
+
+
 def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | None = None, mtp: bool = True,
                  experts=None, cpu_mem=None, progress: bool = True, log=None, dense=None, **options):
     """See dsv3lite.load. options: the OffloadOptions fields (lookahead, miss_policy, cache_policy), the MTP

@@ -396,8 +396,15 @@ def info(weights, as_json, dense):
         blob = m.layout.blob_bytes
         sizes["routed experts"] = sum(1 for l in m.moe_layers if l != a.mtp_layer_id) * m.n_experts * blob
         sizes["MTP routed experts"] = (a.mtp_layer_id in m.moe_layers) * m.n_experts * blob
-        expert_fmt = f"int4 (group {m.group_size})" if m.format == "int4" else m.format
-        stored = f"{m.dense_dtype} dense weights, {expert_fmt} routed experts"
+        stored = f"{m.dense_dtype} dense weights, {m.expert_format().label} routed experts"
+    elif a.released_experts:                              # routed experts as the checkpoint stores them
+        from .quant.formats import get_format
+
+        fmt = get_format(a.released_experts)
+        blob = fmt.layout(a.moe_intermediate_size, a.hidden_size).blob_bytes
+        sizes["routed experts"] = len(a.moe_layer_ids) * a.n_routed_experts * blob
+        sizes["MTP routed experts"] = (fp.mtp_routed_experts > 0) * a.n_routed_experts * blob
+        stored = f"bf16 dense weights, {fmt.label} routed experts as released"
     if dense is not None:                                 # as PackedLinear holds them (embeddings, routers kept)
         from .footprint import unpacked_attention_params
 

@@ -17,6 +17,8 @@ from .errors import UserError
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "deepseek_v2", "deepseek_v4")
 # multimodal checkpoints whose language model is a text_config of one of the types above
 _TEXT_CONFIG_TYPES = {"kimi_k25": ("kimi_k2", "deepseek_v3")}
+# ... and whose checkpoint holds the language model's tensors under this prefix (the other towers' are not run)
+TEXT_MODEL_PREFIX = "language_model."
 
 # Per-family defaults for fields a config.json may leave out (the values transformers' config classes use).
 _FAMILY_DEFAULTS = {
@@ -88,6 +90,8 @@ class ModelArgs:
     num_nextn_predict_layers: int = 0
     # fp8 checkpoints
     fp8_block_size: tuple[int, int] | None = None
+    # routed experts stored in an expert format of their own (compressed-tensors int4: "int4g32"), served as stored
+    released_experts: str | None = None
     # derived in __post_init__
     qk_head_dim: int = field(init=False)
     latent_dim: int = field(init=False)
@@ -201,9 +205,15 @@ class ModelArgs:
         kw["topk_group"] = cfg.get("topk_group") or 1
         kw.update(_rope_fields(cfg))
         quant = cfg.get("quantization_config") or {}
-        if quant:
+        if quant.get("quant_method") == "compressed-tensors":      # Kimi-K2-Thinking / K2.5's int4 experts
+            from .quant.compressed_tensors import expert_format
+
+            kw["released_experts"] = expert_format(quant, TEXT_MODEL_PREFIX if model_type in _TEXT_CONFIG_TYPES else "",
+                                                   mtp=bool(kw.get("num_nextn_predict_layers")))
+        elif quant:
             if quant.get("quant_method") != "fp8":
-                raise UserError(f"unsupported quantization_config.quant_method {quant.get('quant_method')!r} (fp8 block checkpoints only)")
+                raise UserError(f"unsupported quantization_config.quant_method {quant.get('quant_method')!r} (fp8 block "
+                                f"or compressed-tensors int4 checkpoints only)")
             kw["fp8_block_size"] = tuple(quant.get("weight_block_size") or (128, 128))
         try:
             return cls(**kw)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelArgs
+from .config import TEXT_MODEL_PREFIX, ModelArgs
 from .errors import UserError
 from .quant.fp8 import scale_grid_shape
 from .quant.tensorfile import DTYPES, TensorSpan, entry_nbytes, read_header, tensor_spans
@@ -68,8 +68,6 @@ TOP_NAMES = {
 # kept in fp32 whatever the compute dtype (as transformers does): module and checkpoint suffixes
 FP32_MODULE_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias", "attn.indexer.weights_proj.weight")
 FP32_CHECKPOINT_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
-# multimodal checkpoints (Kimi-K2.5): the language model's tensors under this prefix, the other towers' are not run
-TEXT_MODEL_PREFIX = "language_model."
 
 _REVERSE = {table_id: {v: k for k, v in t.items()} for table_id, t in
             (("layer", LAYER_NAMES), ("expert", EXPERT_NAMES), ("mtp", MTP_NAMES), ("top", TOP_NAMES))}

@@ -357,18 +357,14 @@ def load_v4(root, device="cpu", dtype=torch.float32, mtp: bool = True, progress:
     """A deepseek_v4 checkpoint directory -> its resident network (no engine): routed experts dequantized to
     `dtype`, or with `released_experts` served as released (MXFP4 blobs repacked from the checkpoint, as
     dsv3lite.load serves them; on the CPU through the packed kernel)."""
+    from .builder import load_network
     from .errors import UserError
-    from .experts import BlobExperts, expert_source
     from .v4.config import V4Args
     from .v4.loader import V4Loader
 
-    loader = V4Loader(root, torch.device(device), dtype, progress=progress, log=log)
     if not released_experts:
-        return loader.load(mtp=mtp)
-    args = V4Args.from_dict(json.loads((Path(root) / "config.json").read_text()))
-    if args.released_experts is None:
+        return V4Loader(root, torch.device(device), dtype, progress=progress, log=log).load(mtp=mtp)
+    if V4Args.from_dict(json.loads((Path(root) / "config.json").read_text())).released_experts is None:
         raise UserError(f"the routed experts of {root} are not MXFP4 (no expert_dtype fp4): nothing to serve as "
                         f"released")
-    source = expert_source(Path(root), args, None, blobs_required=True)
-    return loader.load(args, mtp=mtp, expert_provider=lambda layer: BlobExperts(
-        source.layer_blobs(layer).to(device), source.fmt, source.layout, limit=args.swiglu_limit))
+    return load_network(root, device, dtype, progress, log, mtp=mtp)

@@ -5,9 +5,10 @@
 `cpu_experts_forward` runs the compiled kernel (kernels/csrc/cpu_kernels.cpp, built by cpu_build) or, where there
 is none, its twin `cpu_experts_ref`; both compute the same math, which differs from dequantize-then-matmul
 (`ExpertFormat.expert_forward_ref`) in two ways chosen for speed:
-- int4 and int8: activations (x, and h = silu(gate x) * up x) are quantized to int8 per weight group (symmetric,
-  scale amax / 127, round half to even) and multiplied with the codes in integers: s * xs * (sum q xq - z sum xq)
-  (int8 weights have no zero point);
+- int4, int4g32 and int8: activations (x, and h = silu(gate x) * up x) are quantized to int8 per weight group
+  (symmetric, scale amax / 127, round half to even) and multiplied with the codes in integers:
+  s * xs * (sum q xq - z sum xq) (int4g32's z is 8, its offset; int8 weights have no zero point); int4g32's codes
+  times their bf16 scale are not rounded to bf16 as its dequantization does (the product in fp32);
 - fp8: each 128x128 block's scale multiplies the block's partial dot in fp32 instead of each weight being
   rounded to bf16 after scaling (bf16(fp32(q) * s)): the weights differ by at most 2^-9 relative;
 - mxfp4 (exact weights): activations int8 per 32-block (as int4's, MXFP4_ACT "int8") or fp32 ("fp32"); its kernel
@@ -15,8 +16,8 @@ is none, its twin `cpu_experts_ref`; both compute the same math, which differs f
   limit they run the twin).
 bf16 weights are used as they are. Each token's result is computed the same way whatever else is in the call
 (decode, MTP verification, prefill), in fp32, and the weighted sum adds each product in ascending expert id.
-Formats: bf16, fp8, int8, int4 (group 64 or 128, or 32 with an even number of groups per row), mxfp4; nf4 stays
-on bitsandbytes.
+Formats: bf16, fp8, int8, int4 (group 64 or 128, or 32 with an even number of groups per row), mxfp4, int4g32;
+nf4 stays on bitsandbytes.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ MATRICES = ("gate", "up", "down")     # blob order (quant.layout.MATRICES)
 FP8_BLOCK = 128                       # edge of an fp8 scale block (quant.fp8.BLOCK)
 MXFP4_BLOCK = 32                      # weights per mxfp4 scale (quant.mxfp4.BLOCK)
 MAX_GROUPS = 1024                     # groups (int4) or 128-blocks (fp8) per weight row the kernel holds
+INT8_ACTIVATIONS = ("int4", "int8", "int4g32")   # formats whose kernels quantize activations to int8 per group
 
 
 def supports(layout, limit: float | None = None) -> bool:
@@ -210,7 +212,8 @@ def quantize_activation(x: torch.Tensor, group: int) -> torch.Tensor:
 def matrix_weights_ref(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
                        n: int, k: int, group: int | None) -> torch.Tensor:
     """One packed matrix [n, k] in fp32 as the kernels apply it: bf16 as is, fp8 codes times their block scale (no
-    bf16 rounding), int4 (q - z) * s, int8 q * s (per group along k), mxfp4 e2m1 times 2^(s - 127) (exact)."""
+    bf16 rounding), int4 (q - z) * s, int8 q * s (per group along k), mxfp4 e2m1 times
+    2^(s - 127) (exact), int4g32 q * s (no bf16 rounding)."""
     if fmt == "bf16":
         return weight.float()
     if fmt == "mxfp4":                                 # weight: codes [n, kp/2], scale: ue8m0 bytes [n, kp/32]
@@ -229,6 +232,10 @@ def matrix_weights_ref(fmt: str, weight: torch.Tensor, scale: torch.Tensor | Non
         b = weight.view(n, -1, group // 2)             # byte i of a group: element i low, i + g/2 high
         q = torch.cat([b & 0xF, b >> 4], dim=-1).float()
         return ((q - zero.float().unsqueeze(-1)) * scale.float().unsqueeze(-1)).view(n, -1)[:, :k]
+    if fmt == "int4g32":                               # byte b: k = 2b low, 2b + 1 high, each q + 8
+        b = weight.view(n, -1)
+        q = torch.stack((b & 0xF, b >> 4), dim=-1).view(n, -1).float() - 8
+        return (q.view(n, -1, group) * scale.float().unsqueeze(-1)).view(n, -1)[:, :k]
     if fmt == "int8":                                  # codes as int8 (or their uint8 bytes, as blobs hold them)
         return (weight.view(torch.int8).float().view(n, -1, group) * scale.float().unsqueeze(-1)).view(n, -1)[:, :k]
     raise ValueError(f"no CPU kernel for {fmt} weights")
@@ -250,7 +257,7 @@ def expert_ref(blob: torch.Tensor, xs: torch.Tensor, layout, limit: float | None
                act: str | None = None) -> torch.Tensor:
     """One expert on xs [N, D] fp32, as the kernel computes it (limit, act: see cpu_experts_forward)."""
     gate, up, down = expert_weights_ref(blob, layout)
-    quantized = layout.format in ("int4", "int8") or (layout.format == "mxfp4" and (act or MXFP4_ACT) == "int8")
+    quantized = layout.format in INT8_ACTIVATIONS or (layout.format == "mxfp4" and (act or MXFP4_ACT) == "int8")
     prep = (lambda v: quantize_activation(v, layout.group_size)) if quantized else (lambda v: v)
     xq = prep(xs)
     return F.linear(prep(swiglu_act(F.linear(xq, gate), F.linear(xq, up), limit)), down)

@@ -14,7 +14,7 @@ BLOCK_M is 16 on the tensor-core path (3+ tokens) and M itself for 1-2 tokens (f
 products are quant_matmul.py's `_dot_step`.
 Experts with slot -1 (not resident) are skipped, or take their outputs from `external_out` (computed
 elsewhere, e.g. on the CPU) so that they still join the sum in its place in the order.
-Formats int4 / fp8 / bf16 (nf4 stays on bitsandbytes: fused_moe_auto runs the twin for it).
+Formats int4 / int4g32 / fp8 / bf16 (nf4 stays on bitsandbytes: fused_moe_auto runs the twin for it).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 
 from . import dispatch
 from .dispatch import jit as _jit, tl, triton
-from .quant_matmul import (FMT_CODES, FMT_FP8, FMT_FP8_BYTES, FMT_INT4, _X_DTYPES, _acc_result, _acc_zeros, _cast,
+from .quant_matmul import (FMT_CODES, FMT_FP8, FMT_FP8_BYTES, GROUPED, _X_DTYPES, _acc_result, _acc_zeros, _cast,
                            _dot_step, dot_precision, fp8_code, fp8_weight_view, num_tiles, plan_blocks)
 from ..quant.layout import BlobLayout, MATRICES
 from ..quant.table import FORMAT_TABLE
@@ -203,7 +203,7 @@ def fused_moe(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, 
     ascending expert id), each < E;
     weights [M, K] float32 routing weights; slot_of_expert int32 [E]: the pool row of each expert of this
     layer, -1 when not resident (skipped, or taken from `external_out` [M, K, D] in x.dtype when given);
-    pool uint8 [n_slots, layout.blob_bytes] (rows contiguous); layout: int4, fp8 or bf16.
+    pool uint8 [n_slots, layout.blob_bytes] (rows contiguous); layout: int4, int4g32, fp8 or bf16.
     Returns y [M, D] in x.dtype: sum_k weights * expert(x), accumulated in fp32 in ascending expert id.
     Nothing is read from slots that no selected expert maps to. Tuning knobs (None = automatic): use_dot
     (tensor cores; 16-token blocks), block_n / block_d (I / D width of a program in launches (a) / (b)),
@@ -229,7 +229,7 @@ def fused_moe(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, 
         return y
     assert m * max(x.stride(0), top_k * max(inter, d)) < 2**31, "offsets are int32: split the batch"
     wview, sview, off, strides = _pool_views(pool, layout, fmt)
-    group = layout.group_size if fmt == FMT_INT4 else (128 if fmt in (FMT_FP8, FMT_FP8_BYTES) else 0)
+    group = layout.group_size if fmt in GROUPED else (128 if fmt in (FMT_FP8, FMT_FP8_BYTES) else 0)
     upcast = dispatch.interpreted()
     precision = dot_precision(x.dtype, upcast)
     block_ke = triton.next_power_of_2(top_k)

@@ -22,8 +22,11 @@ from ..quant.table import FORMAT_TABLE, TRITON_FP8_BYTES
 # bytes and decoded with bit arithmetic, for GPUs whose Triton has no fp8e4nv type (compute capability below 8.9)
 FMT_CODES = {name: entry.triton for name, entry in FORMAT_TABLE.items() if entry.triton is not None}
 FMT_INT4, FMT_FP8, FMT_BF16, FMT_FP8_BYTES = FMT_CODES["int4"], FMT_CODES["fp8"], FMT_CODES["bf16"], TRITON_FP8_BYTES
+FMT_INT4G32 = FMT_CODES["int4g32"]
 # the kernels' constexpr branches below are written as these literals (Triton reads no Python globals there)
-assert (FMT_INT4, FMT_FP8, FMT_BF16, FMT_FP8_BYTES) == (0, 1, 2, 3), "quant/table.py's Triton codes changed"
+assert (FMT_INT4, FMT_FP8, FMT_BF16, FMT_FP8_BYTES, FMT_INT4G32) == (0, 1, 2, 3, 4), \
+    "quant/table.py's Triton codes changed"
+GROUPED = (FMT_INT4, FMT_INT4G32)        # formats read a group of K at a time (K tiles: whole groups)
 FP8_NATIVE_CAPABILITY = (8, 9)          # Triton's fp8e4nv type: Ada, Hopper and later
 
 
@@ -93,7 +96,7 @@ def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, 
                BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    elif FMT == 0:
+    elif FMT == 0 or FMT == 4:
         acc = tl.zeros([BLOCK_M, GROUP // 2, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
@@ -146,18 +149,10 @@ def _dot_step(acc, it, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, z_ptr, s_o
                     w_lo = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
                     bits = w_hi.to(tl.uint32, bitcast=True)
                     w_hi = (((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16).to(tl.float32, bitcast=True)
-            w_lo = w_lo.to(x_lo.dtype)
-            w_hi = w_hi.to(x_lo.dtype)
-            if UPCAST or not USE_DOT:
-                x_lo = x_lo.to(tl.float32)
-                x_hi = x_hi.to(tl.float32)
-                w_lo = w_lo.to(tl.float32)
-                w_hi = w_hi.to(tl.float32)
-            if USE_DOT:
-                acc += tl.dot(x_lo, w_lo, input_precision=PRECISION)
-                acc += tl.dot(x_hi, w_hi, input_precision=PRECISION)
-            else:
-                acc += x_lo[:, :, None] * w_lo[None, :, :] + x_hi[:, :, None] * w_hi[None, :, :]
+            acc = _add_halves(acc, x_lo, x_hi, w_lo.to(x_lo.dtype), w_hi.to(x_lo.dtype), USE_DOT, UPCAST, PRECISION)
+    elif FMT == 4:   # int4g32
+        acc = _int4g32_step(acc, it, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, s_off, n_ok,
+                            BLOCK_K, USE_DOT, UPCAST, PRECISION)
     else:
         k = it * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = k < k_in
@@ -182,6 +177,50 @@ def _dot_step(acc, it, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, z_ptr, s_o
             acc += tl.dot(xt, w, input_precision=PRECISION)
         else:
             acc += xt[:, :, None] * w[None, :, :]
+    return acc
+
+
+@_jit
+def _int4g32_step(acc, it, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, s_off, n_ok,
+                  BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # _dot_step for int4g32 (quant/int4g32.py), a group of 32 at a time: its 16 bytes [16, BLOCK_N] hold k = 2b in
+    # byte b's low nibble and 2b + 1 in its high one, each q + 8, so x is read as its even and its odd elements;
+    # w = bf16((q - 8) * s) with the group's bf16 scale, then x's dtype (_cast rounds to nearest even in the
+    # interpreter too, whose own fp32 -> bf16 truncates)
+    for sub in tl.static_range(BLOCK_K // 32):
+        grp = it * (BLOCK_K // 32) + sub
+        pair = tl.arange(0, 16)
+        n_groups = tl.cdiv(k_in, 32)
+        col = grp * 16 + pair
+        q = tl.load(w_ptr + (w_off[None, :] + col[:, None]), mask=(col < n_groups * 16)[:, None] & n_ok[None, :],
+                    other=0)
+        s = tl.load(s_ptr + s_off + tl.minimum(grp, n_groups - 1), mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        k_lo = grp * 32 + 2 * pair
+        k_hi = k_lo + 1
+        x_lo = tl.load(x_ptr + (x_off[:, None] + k_lo[None, :]), mask=x_ok[:, None] & (k_lo < k_in)[None, :],
+                       other=0.0)
+        x_hi = tl.load(x_ptr + (x_off[:, None] + k_hi[None, :]), mask=x_ok[:, None] & (k_hi < k_in)[None, :],
+                       other=0.0)
+        w_lo = _cast(((q & 0xF).to(tl.float32) - 8.0) * s, tl.bfloat16, UPCAST)   # the format's one rounding
+        w_hi = _cast(((q >> 4).to(tl.float32) - 8.0) * s, tl.bfloat16, UPCAST)
+        acc = _add_halves(acc, x_lo, x_hi, w_lo.to(x_lo.dtype), w_hi.to(x_lo.dtype), USE_DOT, UPCAST, PRECISION)
+    return acc
+
+
+@_jit
+def _add_halves(acc, x_lo, x_hi, w_lo, w_hi, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # acc += x_lo (x) w_lo + x_hi (x) w_hi for a group read as two halves of k: x [BLOCK_M, h], w [h, BLOCK_N] in
+    # x's dtype; tl.dot on tensor cores, or fp32 multiply-adds into acc [BLOCK_M, h, BLOCK_N]
+    if UPCAST or not USE_DOT:
+        x_lo = x_lo.to(tl.float32)
+        x_hi = x_hi.to(tl.float32)
+        w_lo = w_lo.to(tl.float32)
+        w_hi = w_hi.to(tl.float32)
+    if USE_DOT:
+        acc += tl.dot(x_lo, w_lo, input_precision=PRECISION)
+        acc += tl.dot(x_hi, w_hi, input_precision=PRECISION)
+    else:
+        acc += x_lo[:, :, None] * w_lo[None, :, :] + x_hi[:, :, None] * w_hi[None, :, :]
     return acc
 
 
@@ -232,7 +271,7 @@ def plan_blocks(fmt: int, m: int, n: int, k: int, group: int, use_dot: bool | No
     bn = max(16, min(block_n or 32, triton.next_power_of_2(n)))
     # default K tile: one int4 group, 64 fp8 or bf16 elements (64-128 weight bytes per row): wider tiles
     # cost registers (checked with ptxas for sm_90) and so occupancy
-    if fmt == FMT_INT4:
+    if fmt in GROUPED:
         bk = block_k or group
         assert bk & (bk - 1) == 0, f"block_k must be a power of two, got {bk}"
         bk = max(group, min(bk, triton.next_power_of_2(padded_k(k, group))))
@@ -246,7 +285,7 @@ def plan_blocks(fmt: int, m: int, n: int, k: int, group: int, use_dot: bool | No
 
 def num_tiles(fmt: int, k: int, group_size: int | None, block_k: int) -> int:
     """K tiles per row; int4 tiles cover the zero-padded K (a multiple of the group size)."""
-    kp = padded_k(k, group_size) if fmt == FMT_INT4 else k
+    kp = padded_k(k, group_size) if fmt in GROUPED else k
     return triton.cdiv(kp, block_k)
 
 

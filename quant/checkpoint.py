@@ -40,8 +40,10 @@ from ..family import family_of
 from ..hf_checkpoint import (CheckpointIndex, TensorReader, blob_name, check_fp8_scale, expert_names, is_scale_name,
                              scale_names)
 from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits
+from .compressed_tensors import packed_entry_bytes, read_packed
 from .formats import format_for_layout, get_format
 from .fp8 import fp8_block_dequant
+from .int4g32 import int4g32_dequant
 from .layout import MATRICES, BlobLayout, ExpertFormat
 from .mxfp4 import mxfp4_dequant
 from .tensorfile import DTYPES, TensorFileWriter, entry_nbytes, read_header, tensor_spans
@@ -71,30 +73,37 @@ def _natural_key(name: str):
 
 def read_expert(reader: TensorReader, layer_id: int, expert: int, layout: BlobLayout, reuse: bool = False,
                 names=expert_names):
-    """(weight, scale or None) of gate, up and down of one routed expert, shapes checked: a float weight, an FP8
-    weight and its scale_inv, or MXFP4 codes and their scales (DeepSeek-V4). reuse: read into this thread's
-    scratch buffers (valid until its next read_expert with reuse); names(layer, expert): the checkpoint's names."""
-    return [reader.weight(name, layout.matrix_shape(m), scratch=("expert", m) if reuse else None)
-            for name, m in zip(names(layer_id, expert), MATRICES)]
+    """(weight, scale) of gate, up and down of one routed expert, shapes checked: a float weight and None, an FP8
+    weight and its scale_inv, compressed-tensors' int4 words (int32) and bf16 scales (Kimi-K2-Thinking / K2.5), or
+    MXFP4 codes and their scales (DeepSeek-V4). reuse: read into this thread's scratch buffers (valid until its
+    next read_expert with reuse); names(layer, expert): the checkpoint's names (its family's)."""
+    out = []
+    for name, m in zip(names(layer_id, expert), MATRICES):
+        shape, scratch = layout.matrix_shape(m), ("expert", m) if reuse else None
+        out.append(read_packed(reader, name, shape, scratch) or reader.weight(name, shape, scratch=scratch))
+    return out
 
 
-# expert encodings a checkpoint may store, by the dtype of the weight read: the expert format that keeps them as
-# they are (a repack), and the exact decoding to floats for any other format
-RELEASED_ENCODINGS = {torch.int8: ("mxfp4", lambda w, s: mxfp4_dequant(w, s, torch.bfloat16))}
+# the expert encodings a checkpoint may store, by the dtype of the weights read: the expert format that keeps them
+# as they are (a repack), and their exact decoding to bf16 for any other format
+RELEASED_ENCODINGS = {
+    torch.int32: ("int4g32", lambda w, s: int4g32_dequant(w, s, w.shape[1] * 8, torch.bfloat16)),  # compressed-tensors
+    torch.int8: ("mxfp4", lambda w, s: mxfp4_dequant(w, s, torch.bfloat16)),                        # MXFP4 (V4)
+}
 
 
 def pack_weights(weights, fmt: ExpertFormat, layout: BlobLayout, out: torch.Tensor | None = None,
                  device: torch.device | None = None) -> torch.Tensor:
     """One expert's `read_expert` weights as a blob of `fmt` (on the CPU, in `out` if given). FP8 source + fp8
-    format, or a released encoding + the format that stores it (MXFP4 codes + mxfp4): bytes and scales copied
-    verbatim; otherwise FP8 weights are dequantized the project's one way (bf16(fp32(w) * s)), released encodings
-    exactly, and then quantized, the arithmetic on `device` (default: the CPU)."""
-    encoding = RELEASED_ENCODINGS.get(weights[0][0].dtype)
-    if encoding is not None and all(w.dtype == weights[0][0].dtype and s is not None for w, s in weights):
-        if fmt.name == encoding[0]:
-            (gw, gs), (uw, us), (dw, ds) = weights
-            return fmt.pack_prequantized(gw, gs, uw, us, dw, ds, out=out)
-        weights = [(encoding[1](w, s), None) for w, s in weights]
+    format, or a released encoding + the format that stores it (compressed-tensors int4 + int4g32, MXFP4 codes +
+    mxfp4): bytes and scales copied verbatim; otherwise FP8 weights are dequantized the project's one way
+    (bf16(fp32(w) * s)), released encodings exactly, and then quantized, the arithmetic on `device` (default: the
+    CPU)."""
+    encodings = [RELEASED_ENCODINGS.get(w.dtype) for w, _ in weights]
+    if encodings[0] is not None and all(e is encodings[0] for e in encodings) and fmt.name == encodings[0][0]:
+        (gw, gs), (uw, us), (dw, ds) = weights
+        return fmt.pack_prequantized(gw, gs, uw, us, dw, ds, out=out)
+    weights = [(e[1](w, s), None) if e is not None else (w, s) for e, (w, s) in zip(encodings, weights)]
     if fmt.fp8_passthrough and all(s is not None for _, s in weights):
         (gw, gs), (uw, us), (dw, ds) = weights
         return fmt.pack_prequantized(gw, gs, uw, us, dw, ds, out=out)
@@ -316,6 +325,11 @@ class QuantizePlan:
             " + the MTP layer" if self.args.mtp_layer_id in self.moe_layers else "")
 
     @property
+    def verb(self) -> str:
+        """"repacking" where the source stores its experts in the output's format already, else "quantizing"."""
+        return "repacking" if self.args.released_experts == self.fmt.name else "quantizing"
+
+    @property
     def partial(self) -> Path:
         dst = Path(os.path.abspath(self.dst))
         return dst.parent / (dst.name + ".partial")
@@ -382,7 +396,7 @@ def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense:
         raise UserError(f"--dense fp8 keeps an FP8 checkpoint's FP8 weights, but {src} has none "
                         f"(it is not an FP8 checkpoint): use --dense bf16")
     notes = [f"note: {src} has no MTP layer, so the output has none"] if notice else []
-    if getattr(args, "released_experts", None) and fmt.name != args.released_experts:
+    if args.released_experts and fmt.name != args.released_experts:
         notes.append(f"note: {src} stores its routed experts as {args.released_experts}, as released; --experts "
                      f"{fmt.name} dequantizes them and quantizes them again (--experts {args.released_experts} keeps "
                      f"them bit for bit)")
@@ -409,10 +423,14 @@ def _check_experts(meta: dict, layout: BlobLayout, moe_layers: list[int], n_expe
         for e in range(n_experts):
             nbytes = 0
             for name, m in zip(names(layer, e), MATRICES):
+                shape = layout.matrix_shape(m)
+                packed = packed_entry_bytes(meta, name, shape) if name not in meta else None
+                if packed is not None:                          # compressed-tensors int4 (Kimi's released experts)
+                    nbytes += packed
+                    continue
                 v = meta.get(name)
                 if v is None:
                     raise UserError(f"checkpoint is missing tensor {name}")
-                shape = layout.matrix_shape(m)
                 stored = (shape[0], shape[1] // 2) if v["dtype"] == "I8" else shape    # MXFP4: two codes a byte
                 if tuple(v["shape"]) != stored:
                     raise UserError(f"tensor {name} has shape {tuple(v['shape'])}, expected {stored} from config.json")
@@ -566,7 +584,7 @@ def _prepare_dirs(plan: QuantizePlan, force: bool, resume: bool, log) -> dict:
     state = {"version": 1, "source_hash": plan.source_hash, "options": plan.options(), "dense_done": False,
              "layers_done": []}
     _save_progress(partial, state)
-    log(f"quantizing {plan.src} -> {plan.dst}: {plan.layers_label} x {plan.args.n_routed_experts} "
+    log(f"{plan.verb} {plan.src} -> {plan.dst}: {plan.layers_label} x {plan.args.n_routed_experts} "
         f"experts as {plan.fmt.label} ({format_bytes(plan.layout.blob_bytes)} "
         f"per expert), dense {plan.dense}")
     return state

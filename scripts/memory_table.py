@@ -1,5 +1,6 @@
-"""The README's memory table: what DeepSeek-V3, Kimi-K2, Moonlight and DeepSeek-V2-Lite need in each expert format,
-from their published config.json values (written here) and the same planner `dsv3lite plan` uses; reads no weights.
+"""The README's memory table: what DeepSeek-V3, Kimi-K2, Moonlight and DeepSeek-V2-Lite need in each expert format (and
+Kimi-K2-Thinking / K2.5 in the int4 they are released in), from their published config.json values (written here)
+and the same planner `dsv3lite plan` uses; reads no weights.
 
     python scripts/memory_table.py            # markdown table on stdout
 """
@@ -16,6 +17,7 @@ from dsv3lite.config import ModelArgs
 from dsv3lite.footprint import DENSE_WEIGHT_BYTES
 from dsv3lite.offload.planner import make_plan
 from dsv3lite.quant.formats import get_format
+from dsv3lite.testing_int4 import KIMI_INT4_QUANT
 from dsv3lite.utils import format_bytes
 
 _MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
@@ -38,6 +40,12 @@ MODELS = {
         topk_group=1, num_attention_heads=64, num_key_value_heads=64, routed_scaling_factor=2.827,
         num_nextn_predict_layers=0, rope_theta=50000, rope_scaling=dict(_YARN_V3, factor=32, beta_fast=1),
         max_position_embeddings=131072),
+    # Kimi-K2-Thinking and K2.5's language model: Kimi-K2 with its routed experts released as compressed-tensors int4
+    "Kimi-K2-Thinking / K2.5 (1T)": dict(
+        _V3, model_type="kimi_k2", vocab_size=163840, first_k_dense_replace=1, n_routed_experts=384, n_group=1,
+        topk_group=1, num_attention_heads=64, num_key_value_heads=64, routed_scaling_factor=2.827,
+        num_nextn_predict_layers=0, rope_theta=50000, rope_scaling=dict(_YARN_V3, factor=64, beta_fast=1),
+        max_position_embeddings=262144, quantization_config=KIMI_INT4_QUANT),
     "Moonlight-16B-A3B": dict(
         _MLA, model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, intermediate_size=11264,
         moe_intermediate_size=1408, num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64,
@@ -54,6 +62,7 @@ MODELS = {
         rope_scaling=dict(_YARN_V3, beta_fast=32)),
 }
 FORMATS = ("fp8", "int4", "nf4", "bf16")
+RELEASED_ONLY = ("Kimi-K2-Thinking / K2.5 (1T)",)     # served in the format they are released in
 GPU_DENSE = (None, "fp8", "int4")       # the non-expert weights on the GPU: bf16, --dense fp8, --dense int4
 CTX = 4096
 
@@ -68,7 +77,7 @@ def rows():
             a = ModelArgs.from_dir(root)
             mtp = a.num_nextn_predict_layers >= 1
             layers = len(a.moe_layer_ids) + (1 if mtp else 0)
-            for fmt in FORMATS:
+            for fmt in (a.released_experts,) if name in RELEASED_ONLY else FORMATS:
                 blob = get_format(fmt).layout(a.moe_intermediate_size, a.hidden_size).blob_bytes
                 host = layers * a.n_routed_experts * blob
                 gpu = [make_plan(a, 1 << 50, CTX, blob, fmt, dense_bytes=2, mtp=mtp,
@@ -91,7 +100,8 @@ def main() -> int:
           f"embeddings and routers stay as they are), the latent KV cache for {CTX} tokens and the prefill workspace "
           f"(`dsv3lite plan` prints it); every byte of --gpu-mem above it, less the 1.5 GiB kept for the CUDA "
           f"context, holds expert slots. CPU-only: the expert blobs plus the non-expert weights packed to int8, "
-          f"fp32 activations and KV.")
+          f"fp32 activations and KV. Kimi-K2-Thinking / K2.5: their routed experts as released (int4g32: 4-bit codes "
+          f"and a bf16 scale per 32 weights), served without re-quantizing.")
     return 0
 
 

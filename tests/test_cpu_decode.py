@@ -102,6 +102,7 @@ ENGINES = {                                     # dsv3lite.load options: expert 
     "int8 experts, int8 dense": dict(experts="int8", dense="int8"),
     "fp8 experts, fp8 dense": dict(experts="fp8", dense="fp8"),
     "bf16 dense": dict(dense="bf16"),
+    "int4g32 experts": dict(experts="int4g32"),
 }
 
 

@@ -17,7 +17,7 @@ from dsv3lite.quant.int4 import Int4Format
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 QUIET = dict(progress=False, log=lambda m: None)
-FORMATS = [("bf16", None), ("fp8", None), ("int8", None), ("int4", 128), ("int4", 64), ("int4", 32)]
+FORMATS = [("bf16", None), ("fp8", None), ("int8", None), ("int4", 128), ("int4", 64), ("int4", 32), ("int4g32", 32)]
 SHAPES = [(64, 256), (96, 200), (160, 384)]           # (I, D): tails of 8 (bf16, fp8), int4 padding to a group
 
 
@@ -76,7 +76,8 @@ def test_kernel_matches_twin(name, group, inter, hidden):
               cpu_experts.cpu_experts_ref(x, ids, w, pool, layout, per_pair=True), f"{name} per pair T={n_tokens}")
 
 
-@pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int8", None), ("int4", 128)])
+@pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int8", None), ("int4", 128),
+                                        ("int4g32", 32)])
 def test_a_token_gets_the_same_bits_in_any_call(name, group):
     """Decode, MTP verification and prefill compute each token alike: a token's output does not depend on the other
     tokens of the call (nor on the thread count)."""
@@ -111,7 +112,7 @@ def test_expert_subsets_skip_the_others_and_keep_the_order():
     assert torch.equal(out, got)
 
 
-@pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int4", 128)])
+@pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int4", 128), ("int4g32", 32)])
 def test_expert_forward_runs_the_kernel_on_cpu(name, group):
     compiled()
     fmt, layout, pool = make_pool(name, group, 64, 256)
@@ -119,16 +120,18 @@ def test_expert_forward_runs_the_kernel_on_cpu(name, group):
     close(fmt.expert_forward(pool[2], x, layout), cpu_experts.expert_ref(pool[2], x, layout), "expert_forward")
 
 
-@pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int8", None), ("int4", 128)])
+@pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int8", None), ("int4", 128),
+                                        ("int4g32", 32)])
 def test_twin_is_the_dequantized_expert_up_to_its_rounding(name, group):
     """The twin differs from dequantize-then-matmul only by its documented roundings: none for bf16, the bf16
-    rounding of scaled fp8 weights, and int8 activations for int4 and int8."""
+    rounding of scaled fp8 weights (and of int4g32's codes times scales), and int8 activations for int4, int4g32
+    and int8."""
     fmt, layout, pool = make_pool(name, group, 64, 256)
     x = torch.randn(3, 256, generator=gen())
     want = fmt.expert_forward_ref(pool[0], x, layout)
     got = cpu_experts.expert_ref(pool[0], x, layout)
     rel = ((got - want).norm() / want.norm()).item()
-    assert rel < {"bf16": 1e-6, "fp8": 1e-2, "int8": 4e-2, "int4": 4e-2}[name], rel
+    assert rel < {"bf16": 1e-6, "fp8": 1e-2, "int8": 4e-2, "int4": 4e-2, "int4g32": 4e-2}[name], rel
 
 
 def test_forced_off_runs_the_twin_and_blob_experts_the_format_path(monkeypatch):
@@ -202,7 +205,7 @@ def test_demo_bf16_experts_through_the_kernel_keep_the_greedy_tokens(plain_token
     assert greedy(mtp) == plain_tokens and mtp.stats()["mtp"]["tokens_per_forward"] > 1.2
 
 
-@pytest.mark.parametrize("experts", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("experts", ["int4", "int8", "fp8", "int4g32"])
 def test_demo_quantized_experts_kernel_logits_near_the_format_path(experts, monkeypatch):
     """The kernel's own roundings (int8 activations for int4 and int8, unrounded fp8 block products) move the
     logits less than the 4-bit or fp8 quantization itself does (int8's is smaller still: both within 1%), and keep

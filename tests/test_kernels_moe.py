@@ -110,7 +110,7 @@ def routing(m, k, dtype=torch.float32, seed=0, n_experts=N_EXPERTS):
 # --- the twin against the resident provider ------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name,group", [("int4", 32), ("int4", 128), ("fp8", 128), ("bf16", 128)])
+@pytest.mark.parametrize("name,group", [("int4", 32), ("int4", 128), ("fp8", 128), ("bf16", 128), ("int4g32", 32)])
 def test_twin_is_combine_experts_over_blob_experts(name, group, dtype):
     ex = experts(name, group)
     slot_of_expert, pool = ex.scattered_pool()
@@ -127,6 +127,7 @@ def test_twin_is_combine_experts_over_blob_experts(name, group, dtype):
     ("int4", 128, 1, 1, "wide"), ("int4", 128, 2, 4, "default"),
     ("fp8", 128, 1, 4, "wide"), ("fp8", 128, 2, 4, "wide"), ("fp8", 128, 16, 4, "wide"),
     ("bf16", 128, 1, 4, "wide"), ("bf16", 128, 5, 2, "default"),
+    ("int4g32", 32, 1, 4, "default"), ("int4g32", 32, 2, 4, "wide"), ("int4g32", 32, 5, 2, "wide"),
 ])
 def test_kernel_matches_twin(name, group, m, k, blocks):
     ex = experts(name, group)
@@ -139,9 +140,9 @@ def test_kernel_matches_twin(name, group, m, k, blocks):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", ["int4", "fp8"])
+@pytest.mark.parametrize("name", ["int4", "fp8", "int4g32"])
 def test_kernel_half_dtypes(name, dtype):
-    ex = experts(name, 64 if name == "int4" else 128)
+    ex = experts(name, {"int4": 64, "int4g32": 32}.get(name, 128))
     slot_of_expert, pool = ex.scattered_pool()
     x, ids, weights = routing(2, 4, dtype)
     got = fm.fused_moe(x, ids, weights, slot_of_expert, pool, ex.layout, **WIDE)
@@ -150,9 +151,10 @@ def test_kernel_half_dtypes(name, dtype):
                  TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("name", ["int4", "int4g32"])
 @pytest.mark.parametrize("m,use_dot,block_n,block_d", [(1, True, 32, 64), (3, False, 64, 128), (2, False, 64, 32)])
-def test_kernel_inner_products_and_tiles(m, use_dot, block_n, block_d):
-    ex = experts("int4", 32)
+def test_kernel_inner_products_and_tiles(name, m, use_dot, block_n, block_d):
+    ex = experts(name, 32)
     slot_of_expert, pool = ex.scattered_pool()
     x, ids, weights = routing(m, 4, seed=7)
     got = fm.fused_moe(x, ids, weights, slot_of_expert, pool, ex.layout, use_dot=use_dot, block_n=block_n,
@@ -290,7 +292,8 @@ def test_fused_moe_compiles_for_sm90():
     for code, wtype, stype, group, block_k, xtype, use_dot in [
             (0, "*u8", "*fp16", 128, 128, "bf16", False), (0, "*u8", "*fp16", 64, 128, "fp16", True),
             (1, "*fp8e4nv", "*fp32", 128, 64, "bf16", False), (1, "*fp8e4nv", "*fp32", 128, 64, "fp32", False),
-            (2, "*bf16", "*bf16", 0, 64, "bf16", True)]:
+            (2, "*bf16", "*bf16", 0, 64, "bf16", True), (4, "*u8", "*bf16", 32, 32, "bf16", False),
+            (4, "*u8", "*bf16", 32, 64, "bf16", True)]:
         consts = dict(TOP_K=8, FMT=code, GROUP=group, BLOCK_M=16 if use_dot else 2, BLOCK_KE=8, BLOCK_N=16,
                       BLOCK_K=block_k, USE_DOT=use_dot, UPCAST=False, PRECISION="ieee" if xtype == "fp32" else "tf32")
         gate_up = dict(common, x_ptr="*" + xtype, ids_ptr="*i64", slot_ptr="*i32", wpool_ptr=wtype, spool_ptr=stype,
@@ -338,3 +341,29 @@ def test_fused_moe_fp8_compiles_for_pre_hopper_gpus(arch):
                 stride_ym="i32", down_w="i32", down_s="i32", down_z="i32")
     compile_for_gpu("dsv3lite.kernels.fused_moe", [("_moe_gate_up_kernel", gate_up, consts),
                                                    ("_moe_down_kernel", down, dict(consts, HAS_EXTERNAL=True))], arch)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
+@pytest.mark.parametrize("arch", [80, 86, 89])
+def test_fused_moe_int4g32_compiles_for_pre_hopper_gpus(arch):
+    """Kimi's int4g32 experts on Ampere and Ada: the decode blocks the launcher plans (fp32 multiply-adds for 1-2
+    tokens, tensor cores from 3) for bf16 and fp16 activations."""
+    from dsv3lite.kernels.quant_matmul import FMT_INT4G32, plan_blocks
+    from dsv3lite.testing import compile_for_gpu
+
+    pytest.importorskip("triton.backends.nvidia")
+    common = dict(wslot="i64", sslot="i64", M="i32", D="i32", I="i32", n_tiles="i32", stride_wn="i32",
+                  stride_sn="i32", stride_im="i32")
+    cases = []
+    for m, xtype in ((1, "bf16"), (4, "fp16")):
+        bm, bn, bk, dot = plan_blocks(FMT_INT4G32, m, 2048, 7168, 32, None, 16)     # Kimi's gate/up, as launched
+        consts = dict(TOP_K=8, FMT=FMT_INT4G32, GROUP=32, BLOCK_M=bm, BLOCK_KE=8, BLOCK_N=bn, BLOCK_K=bk,
+                      USE_DOT=dot, UPCAST=False, PRECISION="tf32")
+        gate_up = dict(common, x_ptr="*" + xtype, ids_ptr="*i64", slot_ptr="*i32", wpool_ptr="*u8",
+                       spool_ptr="*bf16", h_ptr="*" + xtype, stride_xm="i32", gate_w="i32", gate_s="i32",
+                       gate_z="i32", up_w="i32", up_s="i32", up_z="i32")
+        down = dict(common, E="i32", h_ptr="*" + xtype, ids_ptr="*i64", weights_ptr="*fp32", slot_ptr="*i32",
+                    wpool_ptr="*u8", spool_ptr="*bf16", ext_ptr="*" + xtype, y_ptr="*" + xtype, stride_rm="i32",
+                    stride_ym="i32", down_w="i32", down_s="i32", down_z="i32")
+        cases += [("_moe_gate_up_kernel", gate_up, consts), ("_moe_down_kernel", down, dict(consts, HAS_EXTERNAL=True))]
+    compile_for_gpu("dsv3lite.kernels.fused_moe", cases, arch)

@@ -52,6 +52,7 @@ def mtp_status(index: CheckpointIndex, args: V4Args) -> tuple[bool, str | None]:
 
 class V4Loader(Loader):
     """Loader for deepseek_v4 checkpoints (see Loader: same arguments, same load())."""
+    decodes_released = True     # MXFP4 experts decode exactly (dequant); runs serve them as released (a provider)
 
     def build(self, args: V4Args, with_mtp: bool) -> Transformer:
         return Transformer(args, with_mtp=with_mtp)

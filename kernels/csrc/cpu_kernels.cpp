@@ -25,6 +25,7 @@
 namespace {
 
 enum Fmt : int64_t { BF16 = 0, FP8 = 1, INT4 = 2, INT8 = 3, F32 = 4, MXFP4 = 5 };   // F32: plain fp32 weights (dense, the decode step)
+constexpr int64_t INT4G32 = 6;   // symmetric int4, group 32, bf16 scales (compressed-tensors' packing): its section below
 constexpr int MAX_TOK = 4;       // tokens per row pass
 constexpr int FP8_BLOCK = 128;
 #ifndef PREFETCH_BYTES
@@ -50,12 +51,19 @@ struct Act {
   const uint8_t* aq = nullptr;
   const float* xs = nullptr;
   const float* c = nullptr;
+  const int32_t* off = nullptr;   // int4g32 (its section below)
 };
+
+struct ActSize;                   // int4g32's activations: defined in its section below
+int64_t int4g32_act_bytes(const ActSize& s);
+Act int4g32_act_view(uint8_t* base, const ActSize& s);
+void int4g32_prepare(const float* x, const ActSize& s, uint8_t* base);
 
 // bytes of one prepared activation of length k
 struct ActSize {
   int64_t fmt, k, kp, groups, group;
   int64_t bytes() const {
+    if (fmt == INT4G32) return int4g32_act_bytes(*this);
     if (fmt == BF16 || fmt == FP8 || fmt == F32) return ((k * 4 + 4 + 63) / 64) * 64;
     int64_t b = ((kp + 63) / 64) * 64 + ((groups * 8 + 63) / 64) * 64;
     if (fmt == INT8) b += ((kp + 63) / 64) * 64;
@@ -65,7 +73,7 @@ struct ActSize {
 
 inline ActSize act_size(int64_t fmt, int64_t k, int64_t group) {
   ActSize s{fmt, k, k, 0, group};
-  if (fmt == INT4 || fmt == INT8) {
+  if (fmt == INT4 || fmt == INT8 || fmt == INT4G32) {
     s.kp = (k + group - 1) / group * group;
     s.groups = s.kp / group;
   }
@@ -73,6 +81,7 @@ inline ActSize act_size(int64_t fmt, int64_t k, int64_t group) {
 }
 
 inline Act act_view(uint8_t* base, const ActSize& s) {
+  if (s.fmt == INT4G32) return int4g32_act_view(base, s);
   Act a;
   if (s.fmt == BF16 || s.fmt == FP8 || s.fmt == F32) {
     a.f = reinterpret_cast<const float*>(base);
@@ -100,6 +109,7 @@ inline int64_t int4_pos(int64_t j, int64_t g) {
 constexpr int FP8_X_EXP = 100;   // activations times 2^100 against weights times 2^-120, unless that overflows
 
 void prepare(const float* x, const ActSize& s, uint8_t* base) {
+  if (s.fmt == INT4G32) return int4g32_prepare(x, s, base);
   if (s.fmt == F32) {
     std::memcpy(base, x, s.k * sizeof(float));
     return;
@@ -363,19 +373,134 @@ void row_int8(const int8_t* qw, const float* sf, int64_t groups, const Act* a, f
   for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
 }
 
+// ---- int4g32: symmetric int4, group 32, bf16 scales, packed as compressed-tensors packs them ------------------
+// (Kimi-K2-Thinking / K2.5's released experts; quant/int4g32.py.) A weight row is K/2 bytes, byte b holding k = 2b in
+// its low nibble and 2b + 1 in its high one, each as q + 8; one bf16 scale per 32 k. Activations, per token: xq int8
+// [Kp rounded up to 64], each 64-chunk as its 32 even elements then its 32 odd ones (a 32-byte load's low nibbles
+// meet the first 32 bytes of its chunk, its high nibbles the next 32); xs4 float and off int32 [Gp * 4] (Gp: the
+// groups rounded up to even): group g's xs in lanes 4g..4g+3, and 8 * the sum of its xq in lane 4g, zeros elsewhere.
+// A 32-byte load holds two groups, whose integer dots land in int32 lanes 0-3 and 4-7:
+//   dot = sum_g s_g * xs_g * (sum_k nibble_k * xq_k - 8 * sum_k xq_k)    (the integer part exact)
+// An odd last group runs the same steps on 16 bytes.
+inline int64_t int4g32_pos(int64_t j) { return j / 64 * 64 + (j & 1) * 32 + (j % 64) / 2; }
+
+struct Int4g32Sizes {
+  int64_t qb, lanes, lane_bytes;   // bytes of xq; lanes of xs4 and off; bytes of each (64-aligned)
+};
+
+inline Int4g32Sizes int4g32_sizes(const ActSize& s) {
+  const int64_t lanes = (s.groups + 1) / 2 * 8;
+  return {(s.kp + 63) / 64 * 64, lanes, (lanes * 4 + 63) / 64 * 64};
+}
+
+int64_t int4g32_act_bytes(const ActSize& s) {
+  const Int4g32Sizes z = int4g32_sizes(s);
+  return z.qb + 2 * z.lane_bytes;
+}
+
+Act int4g32_act_view(uint8_t* base, const ActSize& s) {
+  const Int4g32Sizes z = int4g32_sizes(s);
+  Act a;
+  a.q = reinterpret_cast<const int8_t*>(base);
+  a.xs = reinterpret_cast<const float*>(base + z.qb);
+  a.off = reinterpret_cast<const int32_t*>(base + z.qb + z.lane_bytes);
+  return a;
+}
+
+// x quantized to int8 per group of 32 as prepare() does for int4 (and cpu_experts.quantize_activation)
+void int4g32_prepare(const float* x, const ActSize& s, uint8_t* base) {
+  const Int4g32Sizes z = int4g32_sizes(s);
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  float* xs = reinterpret_cast<float*>(base + z.qb);
+  int32_t* off = reinterpret_cast<int32_t*>(base + z.qb + z.lane_bytes);
+  std::memset(q, 0, z.qb);
+  std::memset(xs, 0, z.lanes * 4);
+  std::memset(off, 0, z.lanes * 4);
+  for (int64_t g = 0; g < s.groups; ++g) {
+    const int64_t j0 = g * 32, j1 = std::min(j0 + 32, s.k);
+    float amax = 0.f;
+    for (int64_t j = j0; j < j1; ++j) amax = std::max(amax, std::fabs(x[j]));
+    const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = j0; j < j1; ++j) {
+      const int8_t qi = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+      sum += qi;
+      q[int4g32_pos(j)] = qi;
+    }
+    for (int l = 0; l < 4; ++l) xs[4 * g + l] = amax / 127.0f;
+    off[4 * g] = 8 * sum;
+  }
+}
+
+// two groups (32 weight bytes) of one row against NT tokens; sv: the groups' scales in lanes 0-3 and 4-7
+template <int NT>
+__attribute__((always_inline)) inline void int4g32_pair(const uint8_t* qw, int64_t g, __m256 sv, const Act* a,
+                                                        __m256* acc) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + g * 16));
+  const __m256i l = _mm256_and_si256(v, m4), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+  for (int t = 0; t < NT; ++t) {
+    const __m256i* x = reinterpret_cast<const __m256i*>(a[t].q + g * 32);
+    const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(l, _mm256_loadu_si256(x)),
+                                       _mm256_maddubs_epi16(h, _mm256_loadu_si256(x + 1)));
+    const __m256i di = _mm256_sub_epi32(_mm256_madd_epi16(d, ones),
+                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t].off + g * 4)));
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(di), _mm256_mul_ps(sv, _mm256_loadu_ps(a[t].xs + g * 4)), acc[t]);
+  }
+}
+
+// one row: qw [K/2] bytes, s16 its bf16 scales [groups]. Two accumulators per token, taking alternate pairs of
+// groups: one multiply-add chain per token would wait on its own latency every 32 bytes.
+template <int NT>
+void row_int4g32(const uint8_t* qw, const uint16_t* s16, int64_t groups, const Act* a, float* out) {
+  __m256 acc[NT], acc2[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = acc2[t] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {               // 8 groups: their scales widened once, spread by permutes
+    prefetch(qw + g * 16);
+    prefetch(qw + g * 16 + 64);
+    if (!(g & 31)) prefetch(s16 + g);
+    const __m256 s8 = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + g))), 16));
+    for (int p = 0; p < 4; ++p) {
+      const __m256i spread = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+      int4g32_pair<NT>(qw, g + 2 * p, _mm256_permutevar8x32_ps(s8, spread), a, p & 1 ? acc2 : acc);
+    }
+  }
+  for (; g + 2 <= groups; g += 2)
+    int4g32_pair<NT>(qw, g, _mm256_set_m128(_mm_set1_ps(bf16_to_f32(s16[g + 1])), _mm_set1_ps(bf16_to_f32(s16[g]))),
+                     a, acc);
+  if (g < groups) {                               // an odd last group: the same steps on 16 bytes
+    const __m128i m4 = _mm_set1_epi8(0x0F), ones = _mm_set1_epi16(1);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qw + g * 16));
+    const __m128i l = _mm_and_si128(v, m4), h = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    const __m128 sv = _mm_set1_ps(bf16_to_f32(s16[g]));
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* x = a[t].q + g * 32;
+      const __m128i d = _mm_add_epi16(_mm_maddubs_epi16(l, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x))),
+                                      _mm_maddubs_epi16(h, _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 32))));
+      const __m128i di = _mm_sub_epi32(_mm_madd_epi16(d, ones),
+                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(a[t].off + g * 4)));
+      const __m128 part = _mm_mul_ps(_mm_cvtepi32_ps(di), _mm_mul_ps(sv, _mm_loadu_ps(a[t].xs + g * 4)));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_set_m128(_mm_setzero_ps(), part));
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum(_mm256_add_ps(acc[t], acc2[t]));
+}
+
 // ---- a weight matrix (one expert matrix, or a dense linear) ----------------------------------------------
 struct Mat {
   int64_t fmt = BF16, n = 0, k = 0, group = 0;
   const uint8_t* w = nullptr;     // weight bytes [n, row_bytes]
   const uint8_t* s = nullptr;     // scales: fp8 float32 [ceil(n/128), ceil(k/128)]; int4 fp16 [n, G]; int8 fp32 [n, G]
   const uint8_t* z = nullptr;     // int4 zeros fp16 [n, G]
-  int64_t groups() const { return (fmt == INT4 || fmt == INT8) ? (k + group - 1) / group : 0; }
+  int64_t groups() const { return (fmt == INT4 || fmt == INT8 || fmt == INT4G32) ? (k + group - 1) / group : 0; }
   int64_t row_bytes() const {
     switch (fmt) {
       case BF16: return k * 2;
       case F32: return k * 4;
       case FP8: return k;
-      case INT4: return groups() * group / 2;
+      case INT4: case INT4G32: return groups() * group / 2;
       default: return groups() * group;
     }
   }
@@ -484,6 +609,9 @@ void rows_nt(const Mat& m, int64_t r0, int64_t r1, const Act* a, float* out, int
         else row_int4<NT, 32>(wr, sf, szf, G, a, res);
         break;
       }
+      case INT4G32:
+        row_int4g32<NT>(wr, reinterpret_cast<const uint16_t*>(m.s) + r * G, G, a, res);
+        break;
       default:
         row_int8<NT>(reinterpret_cast<const int8_t*>(wr), reinterpret_cast<const float*>(m.s) + r * G, G, a, res);
     }
@@ -567,7 +695,8 @@ extern "C" {
 // loads), -1 for a name this library does not know.
 int64_t dsv3_format_code(const char* name) {
   static const struct { const char* name; int64_t code; } codes[] = {
-      {"bf16", BF16}, {"fp8", FP8}, {"int4", INT4}, {"int8", INT8}, {"f32", F32}, {"mxfp4", MXFP4}};
+      {"bf16", BF16}, {"fp8", FP8}, {"int4", INT4}, {"int8", INT8}, {"f32", F32}, {"mxfp4", MXFP4},
+      {"int4g32", INT4G32}};
   for (const auto& c : codes)
     if (std::strcmp(c.name, name) == 0) return c.code;
   return -1;
