@@ -1,6 +1,7 @@
-"""The README's memory table: what DeepSeek-V3, Kimi-K2, Moonlight and DeepSeek-V2-Lite need in each expert format (and
-Kimi-K2-Thinking / K2.5 in the int4 they are released in), from their published config.json values (written here)
-and the same planner `dsv3lite plan` uses; reads no weights.
+"""The README's memory tables: what DeepSeek-V3, Kimi-K2, Moonlight and DeepSeek-V2-Lite need in each expert format (and
+Kimi-K2-Thinking / K2.5 in the int4 they are released in), and DeepSeek-V4-Flash / V4-Pro with their MXFP4 experts as
+released (and what a 24 / 48 / 80 GB card holds of them), from their published config.json values (written here, V4's
+in dsv3lite/testing_v4.py) and the same planner `dsv3lite plan` uses; reads no weights.
 
     python scripts/memory_table.py            # markdown table on stdout
 """
@@ -18,6 +19,7 @@ from dsv3lite.footprint import DENSE_WEIGHT_BYTES
 from dsv3lite.offload.planner import make_plan
 from dsv3lite.quant.formats import get_format
 from dsv3lite.testing_int4 import KIMI_INT4_QUANT
+from dsv3lite.testing_v4 import flash_config, pro_config
 from dsv3lite.utils import format_bytes
 
 _MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
@@ -65,6 +67,9 @@ FORMATS = ("fp8", "int4", "nf4", "bf16")
 RELEASED_ONLY = ("Kimi-K2-Thinking / K2.5 (1T)",)     # served in the format they are released in
 GPU_DENSE = (None, "fp8", "int4")       # the non-expert weights on the GPU: bf16, --dense fp8, --dense int4
 CTX = 4096
+V4_MODELS = {"DeepSeek-V4-Flash (284B)": flash_config(), "DeepSeek-V4-Pro (1.6T)": pro_config()}
+CARDS_GB = (24, 48, 80)                 # a card's memory: a --gpu-mem auto budget of that much, less the CUDA reserve
+CARD_CTX = 32768
 
 
 def rows():
@@ -89,6 +94,34 @@ def rows():
     return out
 
 
+def v4_rows():
+    """(name, expert format, host tier, GPU minimum at CTX, [experts resident on each card at CARD_CTX], CPU-only)."""
+    from dsv3lite.errors import UserError
+    from dsv3lite.offload.setup import CUDA_RESERVE_BYTES
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cfg in V4_MODELS.items():
+            root = Path(tmp) / name.split()[0]
+            root.mkdir()
+            (root / "config.json").write_text(json.dumps(cfg))
+            a = ModelArgs.from_dir(root)
+            fmt = a.released_experts
+            blob = get_format(fmt).layout(a.moe_intermediate_size, a.hidden_size).blob_bytes
+            host = (len(a.moe_layer_ids) + 1) * a.n_routed_experts * blob
+            gpu = make_plan(a, 1 << 50, CTX, blob, fmt, dense_bytes=2).resident
+            cards = []
+            for gb in CARDS_GB:
+                try:
+                    p = make_plan(a, gb * 2**30 - CUDA_RESERVE_BYTES, CARD_CTX, blob, fmt, dense_bytes=2)
+                    cards.append(f"{p.n_slots:,} ({p.fraction_resident:.0%})")
+                except UserError:
+                    cards.append("does not fit")
+            cpu = make_plan(a, 1 << 50, CTX, blob, fmt, dense_bytes=4).resident
+            out.append((name, fmt, host, gpu, cards, host + cpu))
+    return out
+
+
 def main() -> int:
     print("| model | experts | expert blobs (host RAM, or the page cache) | GPU minimum | with `--dense fp8` | "
           "with `--dense int4` | CPU-only run, `--dense int8` |")
@@ -102,6 +135,18 @@ def main() -> int:
           f"context, holds expert slots. CPU-only: the expert blobs plus the non-expert weights packed to int8, "
           f"fp32 activations and KV. Kimi-K2-Thinking / K2.5: their routed experts as released (int4g32: 4-bit codes "
           f"and a bf16 scale per 32 weights), served without re-quantizing.")
+    print(f"\n| model | experts | expert blobs (host RAM, or the page cache) | GPU minimum | experts resident, "
+          f"{' / '.join(f'{g} GiB' for g in CARDS_GB)} card ({CARD_CTX // 1024}K context) | CPU-only run |")
+    print("|---|---|---|---|---|---|")
+    for name, fmt, host, gpu, cards, cpu in v4_rows():
+        print(f"| {name} | {fmt} (as released) | {format_bytes(host)} | {format_bytes(gpu)} | {' / '.join(cards)} | "
+              f"{format_bytes(cpu)} |")
+    print(f"\nDeepSeek-V4: the routed experts served as released (MXFP4: 4-bit codes and a power-of-two scale per 32 "
+          f"weights), the MTP block included; the non-expert weights resident in bf16 (fp32 where the network keeps "
+          f"them: mHC, norms, routers), the KV cache of every block's cache object (V4-Flash: 6,880 B per token; "
+          f"V4-Pro 9,848), the workspace (estimated from the shapes); a card's budget is its memory less the 1.5 GiB "
+          f"CUDA reserve. CPU-only: the expert blobs plus fp32 non-expert weights (--dense is not offered for V4 "
+          f"yet).")
     return 0
 
 
