@@ -121,10 +121,11 @@ def unpacked_attention_params(a: ModelArgs) -> int:
 def info_lines(a: ModelArgs) -> list[str]:
     """The architecture lines of `dsv3lite info` (its parameters and bytes follow them)."""
     return [
-        f"  model_type {a.model_type}: {a.num_hidden_layers} layers ({len(a.moe_layer_ids)} MoE), hidden {a.hidden_size}, "
-        f"{a.num_attention_heads} heads, vocab {a.vocab_size}",
+        f"  model_type {a.model_type}: {a.num_hidden_layers} layers ({len(a.moe_layer_ids)} MoE), hidden "
+        f"{a.hidden_size}, {a.num_attention_heads} heads, vocab {a.vocab_size}",
         f"  MLA: q_lora_rank {a.q_lora_rank}, kv_lora_rank {a.kv_lora_rank}, rope {a.qk_rope_head_dim} "
-        f"({a.rope_type}{f' x{a.rope_factor:g}' if a.rope_type == 'yarn' else ''}), softmax scale {a.softmax_scale:.6f}",
+        f"({a.rope_type}{f' x{a.rope_factor:g}' if a.rope_type == 'yarn' else ''}), softmax scale "
+        f"{a.softmax_scale:.6f}",
         f"  MoE: {a.n_routed_experts} routed experts of {a.moe_intermediate_size} (top-{a.num_experts_per_tok}, "
         f"{a.scoring_func}/{a.topk_method}, groups {a.n_group}/{a.topk_group}), {a.n_shared_experts} shared",
         f"  MTP layers: {a.num_nextn_predict_layers}; FP8 checkpoint: {'yes' if a.fp8_block_size else 'no'}"]

@@ -167,7 +167,8 @@ def info_lines(a: V4Args) -> list[str]:
         f"sqrt-softplus, the first {a.num_hash_layers} layers routed by token id), {a.n_shared_experts} shared, SwiGLU "
         f"clamped at {a.swiglu_limit:g}; routed experts {experts}",
         f"  MTP block: {'none' if not _with_mtp(a) else a.attn_kind(a.mtp_layer_id)}"
-        + (f" ({a.load_notes()[0][6:]})" if a.drafter else "") + f"; FP8 checkpoint: {'yes' if a.fp8_block_size else 'no'}",
+        + (f" ({a.load_notes()[0][6:]})" if a.drafter else "")
+        + f"; FP8 checkpoint: {'yes' if a.fp8_block_size else 'no'}",
     ]
 
 
