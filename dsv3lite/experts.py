@@ -44,8 +44,7 @@ class ExpertSource:
     @property
     def released(self) -> bool:
         """True for an HF checkpoint's experts in the expert format they are stored in (Kimi's compressed-tensors
-        int4, DeepSeek-V4's MXFP4):
-        repacked, never quantized, and never served dense."""
+        int4, DeepSeek-V4's MXFP4): repacked, never quantized, and never served dense."""
         return self.manifest is None and self.fmt.name == getattr(self.args, "released_experts", None)
 
     @property

@@ -68,6 +68,7 @@ class Loader:
 
     # --- the family's hooks ---------------------------------------------------------------------------------
     decodes_released = False    # whether the loader decodes the checkpoint's released expert format to dense experts
+
     def build(self, args, with_mtp: bool) -> nn.Module:
         """The network, built on the meta device by the caller."""
         return Transformer(args, with_mtp=with_mtp)

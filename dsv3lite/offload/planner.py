@@ -4,7 +4,7 @@ Works from shapes alone (the model's args + the expert blob size), so `dsv3lite 
 Resident: embeddings, lm_head, attention, norms, routers, shared experts, dense MLPs, MTP non-expert
 parts, the KV cache for --ctx-size (the latents, and on V3.2 the indexer's keys beside them; DeepSeek-V4: its
 cache objects), and a workspace for activations. The rest of the budget becomes equal-size expert slots in one
-global pool. The sizes of a family come from family.py (the V3 family's are written here).
+global pool. The sizes come from the model's family (family.py: the V3 family's are in footprint.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ..config import ModelArgs
 from ..errors import UserError
 from ..family import family_of
-from ..footprint import SLACK_BYTES, decode_graph_bytes, resident_components, workspace_bytes  # noqa: F401
+from ..footprint import SLACK_BYTES, decode_graph_bytes, resident_components, workspace_bytes  # noqa: F401 (re-exported)
 from ..utils import format_bytes
 
 MIN_SLOTS_PER_TOPK = 2       # slots >= 2 * top-k: a 2-token MTP verify may touch 2K experts of one layer

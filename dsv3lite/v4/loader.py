@@ -1,7 +1,7 @@
 """Loading DeepSeek-V4 checkpoints (official or transformers layout) through the project's Loader: the V4 network,
-its name table (checkpoint.py), its fp32 / integer tensors, and MXFP4 experts decoded exactly (served as released
-when an expert provider is given: experts.expert_source) (FP8 weights with ue8m0 or float32 `.scale` grids take the
-loader's FP8 path)."""
+its name table (checkpoint.py), its fp32 / integer tensors, FP8 weights with ue8m0 or float32 `.scale` grids through
+the loader's FP8 path, and MXFP4 experts decoded exactly. A run serves those experts as released instead, through an
+expert provider (builder.resident_experts, the offloading runtime)."""
 from __future__ import annotations
 
 import torch

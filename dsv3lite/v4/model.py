@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache import ModelCache
 from ..model import Linear, ObserverHandle, Observers
 from .attention import Attention, RMSNorm, Rotary, unweighted_rms
-from ..cache import ModelCache
 from .cache import SlidingCache, new_cache
 from .config import V4Args
 from .moe import MoE
