@@ -17,7 +17,7 @@ import torch
 from . import executors
 from .cache import ModelCache
 from .errors import UserError
-from .executors import prefill
+from .executors.prefill import prefill_hidden
 from .kernels import cpu_decode
 from .limits import ABSORB_MAX_TOKENS, LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from .offload.stats import empty_expert_cache_stats
@@ -164,7 +164,6 @@ class Engine:
         self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
         self._kernel_step = device.type == "cpu" and cpu_decode.covers(model)
         self._eager_threads = decode_threads(self.args, device)      # the size rule, once
-        self._layer_major = prefill.supported(model)       # long prompts layer by layer (else chunk by chunk)
 
     @property
     def graphs(self):
@@ -300,14 +299,13 @@ class Engine:
         self.last.cached_prompt_tokens = common
         self.speculator.on_tokens(ids[common:])            # what the token ids decide is fetched before layer 0
         hiddens, logits = [], None
-        step = LAYER_MAJOR_TOKENS if self._layer_major else PREFILL_CHUNK
-        for start in range(common, len(ids), step):
-            group = ids[start:start + step]
+        for start in range(common, len(ids), LAYER_MAJOR_TOKENS):
+            group = ids[start:start + LAYER_MAJOR_TOKENS]
             if len(group) <= PREFILL_CHUNK:
                 h, logits = self._forward(group, start, all_logits=False)
             else:                                      # layer-major: each MoE layer's experts once per group
                 x = torch.tensor([group], dtype=torch.long, device=self.device)
-                h = prefill.prefill_hidden(self.model, x, start, self.cache)[0]
+                h = prefill_hidden(self.model, x, start, self.cache)[0]
                 logits = self.model.logits(h[-1:])
             hiddens.append(h)
             self.cached_tokens = ids[:start + len(group)]

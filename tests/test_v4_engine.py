@@ -40,7 +40,8 @@ def tokens(chunks) -> list[int]:
 def test_generate_decodes_as_the_network(official, monkeypatch):
     """The engine (prefill in chunks, then one token a step through the cache objects) gives the tokens of the
     network run by hand in the same steps; the released MXFP4 experts are served as released (clamped)."""
-    monkeypatch.setattr(generate, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(generate, "PREFILL_CHUNK", 4)                 # chunk-major, 4 tokens a forward
+    monkeypatch.setattr(generate, "LAYER_MAJOR_TOKENS", 4)
     llm = load(official, mtp=False)
     got = tokens(llm.generate(PROMPT, max_tokens=30))
     model = load_v4(official, released_experts=True, mtp=False)

@@ -11,6 +11,7 @@ the executors' argument, with no meaning here), `token_route_tables()`; each blo
     router_input(x)                     what the router reads: the ffn mHC pre-collapse of x, then ffn_norm
     routed_ahead(x, tokens)             (router_input(x), the MoE's route of it)
     feed_forward(x, tokens, routed)     mHC_ffn around the MoE; routed: routed_ahead(x, tokens), if computed
+    ffn_input(x) / ffn_output(x, out, mix)   its two halves around the MoE (the layer-major prefill's)
 
 (the token ids reach the hash routers through them). A state may have any leading dims: [..., n, D].
 """
@@ -122,14 +123,20 @@ class Block(nn.Module):
         u = self.router_input(x)
         return u, self.ffn.route(u, tokens)
 
+    def ffn_input(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """The feed-forward's first half: (its input router_input(x) [..., D], the ffn mHC's (post, comb) that
+        ffn_output mixes with)."""
+        pre, post, comb = self.hc_ffn.weights(x)
+        return self.ffn_norm(self.hc_ffn.collapse(x, pre)), (post, comb)
+
+    def ffn_output(self, x: torch.Tensor, out: torch.Tensor, mix: tuple) -> torch.Tensor:
+        """The feed-forward's second half: the MoE's output joins the streams x through the ffn mHC's mix."""
+        return self.hc_ffn.expand(x, out, *mix)
+
     def feed_forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None, routed=None) -> torch.Tensor:
         """tokens [B, S]: the ids of these positions (hash-routed layers read them); routed: routed_ahead(x)."""
-        pre, post, comb = self.hc_ffn.weights(x)
-        if routed is None:
-            f = self.ffn(self.ffn_norm(self.hc_ffn.collapse(x, pre)), tokens)
-        else:
-            f = self.ffn(routed[0], tokens, routed[1])
-        return self.hc_ffn.expand(x, f, post, comb)
+        u, mix = self.ffn_input(x)
+        return self.ffn_output(x, self.ffn(u, tokens, None if routed is None else routed[1]), mix)
 
     def forward(self, x: torch.Tensor, start: int, cache: SlidingCache | None = None,
                 tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,11 +205,15 @@ class Transformer(nn.Module):
         """Every block's cache object (its attention kind's) for one sequence of up to `capacity` tokens."""
         return new_cache(self.args, capacity, self.mtp is not None, 1, device, dtype)
 
+    def prologue(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] -> the first streams [B, S, n, D]: n copies of the embeddings."""
+        return self.embed(tokens).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
+
     def hidden(self, tokens: torch.Tensor, start: int = 0, cache: ModelCache | None = None,
                absorb: bool = False) -> torch.Tensor:
         """tokens [B, S] at positions start.. -> the streams after the last main block [B, S, n, D] (what hc_head
         and the MTP block read). cache: a ModelCache (new_cache), written here; None: a whole sequence."""
-        x = self.embed(tokens).unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
+        x = self.prologue(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, start, None if cache is None else cache[i], tokens)
         return x

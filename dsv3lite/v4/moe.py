@@ -107,6 +107,10 @@ class MoE(nn.Module):
         weights, ids, _ = route
         return self.experts(x.reshape(-1, x.shape[-1]), ids, weights).view(x.shape)
 
+    @staticmethod
+    def combine(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        return routed + shared
+
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None, route=None) -> torch.Tensor:
         """x [B, S, D], tokens [B, S] (read by hash layers) -> [B, S, D]; route: route(x, tokens), when computed
         ahead (the layer observer event)."""
@@ -114,4 +118,4 @@ class MoE(nn.Module):
             route = self.route(x, tokens)
         self.observers.routed(self.layer_id, route[1], route[2])
         shared = self.shared(x)
-        return self.routed(x, route) + shared
+        return self.combine(self.routed(x, route), shared)
