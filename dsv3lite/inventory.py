@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ModelArgs
-from .footprint import DENSE_WEIGHT_BYTES, Footprint, footprint, unpacked_attention_params
+from .errors import UserError
+from .family import family_of
+from .footprint import DENSE_WEIGHT_BYTES, Footprint, unpacked_attention_params
 
 COMPONENTS = {"embeddings": "embed", "lm_head": "head", "attention+norms": "attention", "dense MLPs": "dense_mlp",
               "routers": "routers", "shared experts": "shared_experts", "routed experts": "routed_experts",
@@ -35,8 +37,11 @@ def inventory(root: Path, dense: str | None = None) -> Inventory:
     from .offload.setup import expert_tier
     from .quant.checkpoint import is_quantized_dir, read_manifest
 
-    a = ModelArgs.from_dir(root)
-    fp = footprint(a)
+    a = ModelArgs.from_dir(root)                          # the family's args (family.py)
+    family = family_of(a)
+    if dense is not None and not family.packs_dense:
+        raise UserError(f"--dense is not supported for {family.name} checkpoints yet")
+    fp = family.footprint(a)
     tier = expert_tier(root, a, None, mtp=True)
     params = {k: getattr(fp, attr) for k, attr in COMPONENTS.items()
               if tier.with_mtp or k not in MTP_COMPONENTS}

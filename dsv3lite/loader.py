@@ -67,6 +67,8 @@ class Loader:
         self.packed = dict(count=0, kept=0, before=0, after=0, seconds=0.0)   # what packing did (the log line)
 
     # --- the family's hooks ---------------------------------------------------------------------------------
+    decodes_released = False    # whether the loader decodes the checkpoint's released expert format to dense experts
+
     def build(self, args, with_mtp: bool) -> nn.Module:
         """The network, built on the meta device by the caller."""
         return Transformer(args, with_mtp=with_mtp)
@@ -103,10 +105,9 @@ class Loader:
                 self.log(note)
         with torch.device("meta"):
             model = self.build(args, with_mtp)
-        if expert_provider is None and getattr(args, "released_experts", None):   # no dense form: as stored
-            from .experts import released_provider
-
-            expert_provider = released_provider(self.root, args, self.device)
+        if expert_provider is None and args.released_experts and not self.decodes_released:
+            raise UserError(f"the routed experts of {self.root} are stored as {args.released_experts}, which has no "
+                            f"dense form here: they load as stored through dsv3lite.load (builder.load_network)")
         self.external_experts = expert_provider is not None
         if expert_provider is not None:
             for moe in model.moe_modules():

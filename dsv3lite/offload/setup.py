@@ -13,6 +13,7 @@ import torch
 from ..config import ModelArgs
 from ..errors import UserError
 from ..experts import ExpertSource, expert_source
+from ..family import family_of
 from ..footprint import DENSE_WEIGHT_BYTES
 from ..hf_checkpoint import has_mtp, has_weights
 from ..utils import format_bytes, parse_size
@@ -123,7 +124,7 @@ def build_offload(root: Path, args: ModelArgs, experts: str | None, gpu_mem, ctx
     tier = host_tier(source, layers, device, total, options.cpu_mem_bytes, log)
     runtime = OffloadRuntime(HostStore(tier.blobs, source.layout.blob_bytes, tier.mode, tier.resident_cap),
                              source.fmt, source.layout, plan.n_slots, device, dtype, options=options, plan=plan,
-                             log=log)
+                             log=log, limit=family_of(args).swiglu_limit(args))
     log(f"cost model: {runtime.cost.describe()}; misses: {options.miss_policy}")
     if tier.pin_layers:
         from .host_memory import BackgroundPinner
