@@ -234,4 +234,6 @@ def test_geometry_offloaded_equals_resident(v4_geometry_dir):
     assert tokens(off.generate(prompt, max_tokens=6)) == resident
     s = off.stats()["expert_cache"]
     assert s["predictor_by_layer_kind"]["hash"] == {"precision": 1.0, "recall": 1.0}
+    assert all(s["per_layer"][i]["demand_misses"] == 0 for i in range(off.args.num_hash_layers))
+    assert 0 < s["predictor_by_layer_kind"]["learned"]["recall"] < 1       # predicted from the streams
     assert s["demand_misses"] > 0
