@@ -105,9 +105,11 @@ def main():
     ap.add_argument("--copy-queue", action="store_true",
                     help="also model one copy engine in time: stall per token with prefetches queued all at once "
                          "ahead of demand copies vs in batches behind them")
-    ap.add_argument("--layer-ms", type=float, default=0.35, help="device time of one MoE layer (copy-queue model)")
-    ap.add_argument("--copy-ms", type=float, default=0.47,
-                    help="one expert over PCIe (copy-queue model; default: a DeepSeek-V3 int4 expert at 50 GB/s)")
+    ap.add_argument("--layer-ms", type=float, help="device time of one MoE layer (copy-queue model; default 0.35, "
+                    "V4: 0.5, a 4090-class card's share of V4-Flash's bf16 dense reads at 60%% of its bandwidth)")
+    ap.add_argument("--copy-ms", type=float,
+                    help="one expert over PCIe (copy-queue model; default 0.47, a DeepSeek-V3 int4 expert at 50 GB/s; "
+                         "V4: 0.27, a V4-Flash MXFP4 expert at 50 GB/s)")
     ap.add_argument("--v4", metavar="DIR", help="DeepSeek-V4 geometry tables (the checkpoint written at DIR if absent)")
     ap.add_argument("--slots", default="", help="V4: slot counts to simulate besides --sizes (e.g. a plan's)")
     ap.add_argument("--keep", metavar="DIR", help="V4: keep the texts and engine traces in DIR, reused when there")
@@ -164,7 +166,7 @@ def main():
         row += [str(loads["belady"]), f"{loads['decayed-lfu'] / max(loads['belady'], 1):.2f}x"]
         print("| " + " | ".join(row) + " |")
     if args.copy_queue:
-        copy_queue_table(traces, meta, total_experts, sizes, args.layer_ms / 1e3, args.copy_ms / 1e3)
+        copy_queue_table(traces, meta, total_experts, sizes, (args.layer_ms or 0.35) / 1e3, (args.copy_ms or 0.47) / 1e3)
     recall = {}
     for t in traces:
         for d, r in predictor_recall(t).items():
@@ -309,9 +311,10 @@ class HashFirstOut:
         return _Policy()
 
 
-def v4_rows(traces, meta, slots: int, prior: dict, token_layers, steps: int) -> list[list[str]]:
+def v4_rows(traces, meta, slots: int, prior: dict, token_layers, steps: int, timing) -> list[list[str]]:
     """One table row per configuration at `slots` slots: per token, loads (demand misses) of the hash layers, of
-    the learned ones, and in all; the hit rate (uses served from a slot)."""
+    the learned ones, and in all; the hit rate (uses served from a slot); the stall per token of the copy-queue
+    model `timing` (every miss fetched, one copy engine, the runtime's PREFETCH_BATCH)."""
     from dsv3lite.offload.trace import simulate
 
     layers = meta["moe_layers"]
@@ -325,6 +328,8 @@ def v4_rows(traces, meta, slots: int, prior: dict, token_layers, steps: int) -> 
                                                                       token_layers=token_layers)),
         ("+ token-frequency prior on hash keys", dict(policy="decayed-lfu", prefetch_distance=2,
                                                       token_layers=token_layers, prior=prior)),
+        ("+ the prior at a quarter weight", dict(policy="decayed-lfu", prefetch_distance=2, token_layers=token_layers,
+                                                 prior={k: v / 4 for k, v in prior.items()})),
         ("+ hash keys first out", dict(policy=None, prefetch_distance=2, token_layers=token_layers)),
         ("Belady's MIN (demand paging)", dict(policy="belady")),
     ]
@@ -338,13 +343,19 @@ def v4_rows(traces, meta, slots: int, prior: dict, token_layers, steps: int) -> 
             return f"{(demand + pre) / steps:.1f} ({demand / steps:.2f})"
         uses = sum(r.uses for r in results)
         demand = sum(r.demand_loads for r in results)
+        stall = "-"
+        if kw["policy"] != "belady":
+            timed = [simulate(t, slots, kw["policy"] or HashFirstOut(set(token_layers)), timing=timing,
+                              **{k: v for k, v in kw.items() if k != "policy"}) for t in traces]
+            stall = f"{sum(r.stall_s for r in timed) / steps * 1e3:.1f}"
         rows.append([f"{pct:.0f}%", str(slots), label, cell(token_layers), cell(learned), cell(layers),
-                     f"{1 - demand / uses:.1%}"])
+                     f"{1 - demand / uses:.1%}", stall])
     return rows
 
 
 def v4_main(args) -> None:
-    from dsv3lite.offload.trace import read_trace
+    from dsv3lite.offload.runtime import PREFETCH_BATCH
+    from dsv3lite.offload.trace import CopyTiming, read_trace
     from dsv3lite.testing_v4 import v4_geometry_config, write_v4_official
 
     path = Path(args.v4)
@@ -377,6 +388,9 @@ def v4_main(args) -> None:
     prior = token_prior(tables, reference, meta["n_experts"], max(vocab, max(t.shape[0] for t in tables.values())),
                         weight=1.0)
     learned = [l for l in meta["moe_layers"] if l not in token_layers]
+    timing = CopyTiming((args.layer_ms or 0.5) / 1e3, (args.copy_ms or 0.27) / 1e3, PREFETCH_BATCH)
+    print(f"# copy queue: {timing.layer_s * 1e3:.2f} ms per MoE layer, {timing.copy_s * 1e3:.2f} ms per expert copy, "
+          f"{PREFETCH_BATCH} prefetches on the engine at a time")
     n_keys = len(meta["moe_layers"]) * meta["n_experts"]
     sizes = [round(n_keys * int(s) / 100) for s in args.sizes.split(",") if s] + \
         [int(s) for s in args.slots.split(",") if s]
@@ -393,10 +407,10 @@ def v4_main(args) -> None:
         print()
         print(f"## {name}: router recall (learned layers) {cells}; hash layers: exact (the token's tid2eid row)")
         print("| cache | slots | configuration | hash layers: loads/token (demand) | learned: loads/token (demand) "
-              "| all: loads/token (demand) | hit rate |")
-        print("|---|---|---|---|---|---|---|")
+              "| all: loads/token (demand) | hit rate | stall ms/token |")
+        print("|---|---|---|---|---|---|---|---|")
         for slots in sizes:
-            for row in v4_rows(traces, meta, slots, prior, token_layers, steps):
+            for row in v4_rows(traces, meta, slots, prior, token_layers, steps, timing):
                 print("| " + " | ".join(row) + " |")
 
 
