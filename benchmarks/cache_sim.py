@@ -133,9 +133,7 @@ def main():
     traces = [read_trace(p) for p in paths]
     meta = traces[0].meta
     total_experts = len(meta["moe_layers"]) * meta["n_experts"]
-    n_keys = len(meta["moe_layers"]) * meta["n_experts"]
-    sizes = [round(n_keys * int(s) / 100) for s in args.sizes.split(",") if s] + \
-        [int(s) for s in args.slots.split(",") if s]
+    sizes = [int(s) for s in args.sizes.split(",")]
     policies = ["lru", "lfu", "decayed-lfu"]
     prefetch = [1, 2]
     uses = sum(sum(len(k) for _, k in t.accesses) for t in traces)
@@ -288,27 +286,26 @@ def token_prior(tables, texts: list[list[int]], n_experts: int, vocab: int, weig
     return prior
 
 
-class HashFirstOut:
-    """Decayed-LFU whose hash-layer keys go first (they can always be prefetched exactly): built per run."""
+def hash_first_out(token_layers):
+    """Decayed-LFU whose hash-layer keys go first (they can always be prefetched exactly): their layers' group
+    biases lowered far below every other's."""
+    from dsv3lite.offload.policy import DecayedLFU
 
-    def __new__(cls, token_layers):
-        from dsv3lite.offload.policy import DecayedLFU
+    class HashFirstOut(DecayedLFU):
+        name = "decayed-lfu, hash keys first out"
 
-        class _Policy(DecayedLFU):
-            name = "decayed-lfu, hash keys first out"
+        def __init__(self):
+            super().__init__()
+            self._shifted: dict[int, tuple] = {}      # id of the base row -> (that row, the shifted row)
 
-            def __init__(self):
-                super().__init__()
-                self._shifted = {}
-
-            def biases(self, n_groups):
-                row = super().biases(n_groups)
-                out = self._shifted.get(id(row))
-                if out is None or out[0] is not row:
-                    out = self._shifted[id(row)] = (row, tuple(b - 1e6 if g in token_layers else b
-                                                               for g, b in enumerate(row)))
-                return out[1]
-        return _Policy()
+        def biases(self, n_groups):
+            row = super().biases(n_groups)
+            kept = self._shifted.get(id(row))
+            if kept is None or kept[0] is not row:    # the same tuple object while the base row is the same
+                kept = self._shifted[id(row)] = (row, tuple(b - 1e6 if g in token_layers else b
+                                                            for g, b in enumerate(row)))
+            return kept[1]
+    return HashFirstOut()
 
 
 def v4_rows(traces, meta, slots: int, prior: dict, token_layers, steps: int, timing) -> list[list[str]]:
@@ -335,7 +332,7 @@ def v4_rows(traces, meta, slots: int, prior: dict, token_layers, steps: int, tim
     ]
     rows = []
     for label, kw in configs:
-        results = [simulate(t, slots, kw["policy"] or HashFirstOut(set(token_layers)),
+        results = [simulate(t, slots, kw["policy"] or hash_first_out(set(token_layers)),
                             **{k: v for k, v in kw.items() if k != "policy"}) for t in traces]
 
         def cell(which) -> str:
@@ -345,7 +342,7 @@ def v4_rows(traces, meta, slots: int, prior: dict, token_layers, steps: int, tim
         demand = sum(r.demand_loads for r in results)
         stall = "-"
         if kw["policy"] != "belady":
-            timed = [simulate(t, slots, kw["policy"] or HashFirstOut(set(token_layers)), timing=timing,
+            timed = [simulate(t, slots, kw["policy"] or hash_first_out(set(token_layers)), timing=timing,
                               **{k: v for k, v in kw.items() if k != "policy"}) for t in traces]
             stall = f"{sum(r.stall_s for r in timed) / steps * 1e3:.1f}"
         rows.append([f"{pct:.0f}%", str(slots), label, cell(token_layers), cell(learned), cell(layers),

@@ -79,7 +79,7 @@ def parts(dense: str, ctx: int) -> Parts:
     if dense == "fp8":              # FP8 as released (1 byte a weight; fp32 parts stay): not offered for V4 yet
         read -= (res["attention + mHC + norms"] + res["shared experts"] + res["lm_head"]) / 2
     return Parts(layout.blob_bytes, read, kv_cache_bytes(a, ctx, False, 2),
-                 (a.num_hidden_layers) * a.num_experts_per_tok)
+                 a.num_hidden_layers * a.num_experts_per_tok)
 
 
 def token_time(p: Parts, gpu_bps: float, link_bps: float, cpu_s: float, demand: float, prefetch: float,
