@@ -10,7 +10,7 @@ written at DIR when absent, random weights), traced on text the demo model write
 those of the Shakespeare it was trained on) fed one token a step; and a synthetic trace beside it: the same
 text's hash-layer experts, learned layers drawn from a Zipf popularity. Per layer kind (hash: experts known from
 the token id; learned: router-predicted), loads and demand misses per token with and without the exact
-prefetch of the hash layers, a token-frequency prior for them, and Belady's MIN (v4_tables).
+prefetch of the hash layers, a token-frequency prior for them, and Belady's MIN (v4_main).
 
     python benchmarks/cache_sim.py                          # traces the bundled demo model first
     python benchmarks/cache_sim.py --trace t.jsonl [--trace u.jsonl ...]
@@ -336,7 +336,7 @@ def v4_rows(traces, meta, slots: int, prior: dict, token_layers, steps: int, tim
                             **{k: v for k, v in kw.items() if k != "policy"}) for t in traces]
 
         def cell(which) -> str:
-            uses, demand, pre = (sum(r.layers_sum(which)[i] for r in results) for i in range(3))
+            _, demand, pre = (sum(r.layers_sum(which)[i] for r in results) for i in range(3))
             return f"{(demand + pre) / steps:.1f} ({demand / steps:.2f})"
         uses = sum(r.uses for r in results)
         demand = sum(r.demand_loads for r in results)
@@ -351,6 +351,8 @@ def v4_rows(traces, meta, slots: int, prior: dict, token_layers, steps: int, tim
 
 
 def v4_main(args) -> None:
+    """The --v4 tables: the checkpoint, texts and engine traces made (or reused from --keep), the synthetic trace
+    and the prior built, then per trace the router recall and one table of v4_rows per cache size."""
     from dsv3lite.offload.runtime import PREFETCH_BATCH
     from dsv3lite.offload.trace import CopyTiming, read_trace
     from dsv3lite.testing_v4 import v4_geometry_config, write_v4_official
@@ -381,9 +383,8 @@ def v4_main(args) -> None:
     meta = engine[0].meta
     token_layers = meta["token_layers"]
     synthetic = zipf_v4_trace(texts, prompt, tables, meta, args.skew, args.noise, seed=0)
-    vocab = max(max(ids) for ids in texts + reference) + 1
-    prior = token_prior(tables, reference, meta["n_experts"], max(vocab, max(t.shape[0] for t in tables.values())),
-                        weight=1.0)
+    vocab = max(t.shape[0] for t in tables.values())
+    prior = token_prior(tables, reference, meta["n_experts"], vocab, weight=1.0)
     learned = [l for l in meta["moe_layers"] if l not in token_layers]
     timing = CopyTiming((args.layer_ms or 0.5) / 1e3, (args.copy_ms or 0.27) / 1e3, PREFETCH_BATCH)
     print(f"# copy queue: {timing.layer_s * 1e3:.2f} ms per MoE layer, {timing.copy_s * 1e3:.2f} ms per expert copy, "

@@ -100,12 +100,12 @@ class SimResult:
     def hit_rate(self) -> float:
         return 1 - self.demand_loads / self.uses if self.uses else 0.0
 
-    def count(self, layer: int, field: int) -> None:
-        """One more use (field 0), demand load (1) or prefetch load (2) in `layer`."""
+    def count(self, layer: int, column: int) -> None:
+        """One more use (column 0), demand load (1) or prefetch load (2) in `layer`."""
         row = self.by_layer.get(layer)
         if row is None:
             row = self.by_layer[layer] = [0, 0, 0]
-        row[field] += 1
+        row[column] += 1
 
     def layers_sum(self, layers) -> tuple[int, int, int]:
         """(uses, demand loads, prefetch loads) summed over `layers`."""
