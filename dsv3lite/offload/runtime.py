@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..kernels import cpu_experts, dispatch
-from ..kernels.fused_moe import fused_moe
+from ..kernels.fused_moe import fused_expert, fused_moe
 from ..limits import BULK_TOKENS
 from ..model import combine_experts
 from ..utils import format_bytes
@@ -118,6 +118,7 @@ class OffloadRuntime:
         self.per_layer: dict[int, UseCounts] = {}
         self.predictor_counts: dict[int, list[int]] = {}  # distance -> [true positives, predicted, actual]
         self.fused = dispatch.use_kernels(device) and fmt.fused_kernel   # decode through the fused MoE kernel
+        self.slot_index = torch.arange(n_slots, dtype=torch.int32, device=device)   # slot i's entry: [i:i+1]
         # CPU tier with the compiled kernel: a decode step's experts in one kernel call (slots and CPU-assigned
         # misses alike), as the resident provider computes them
         self.one_call = device.type == "cpu" and not self.fused and cpu_experts.available(layout)
@@ -262,6 +263,8 @@ class OffloadRuntime:
             y = self.fmt.expert_forward(self.host.blob((layer_id, e)), host_in, self.layout)
             return y.to(device=xs.device, dtype=xs.dtype)
         self.cache.wait(slot)
+        if self.fused:                     # the kernels' format on a GPU: weights decoded in registers
+            return fused_expert(xs, self.slot_index[slot:slot + 1], self.cache.pool, self.layout)
         return self.fmt.expert_forward(self.cache.slot_view(slot), xs, self.layout).to(xs.dtype)
 
     def _one_call(self, layer_id, x, ids, weights, place) -> torch.Tensor:
