@@ -8,6 +8,8 @@ error a user would see). Instead of loading the binary the stand-in reads its re
 spills go) with cuobjdump, and instead of launching it records the launch. Compiled kernels stay in Triton's cache.
 
     python -m dsv3lite.testing_gpu 86 90     # every case of launcher_cases() on those architectures, JSON lines
+    python -m dsv3lite.testing_gpu --warm I N  # on a GPU: its cases, shard I of N, run (Triton's cache filled)
+    python -m dsv3lite.testing_gpu --list      # how many cases each architecture compiles
 
 Needs Triton's NVIDIA backend (ptxas and cuobjdump ship with it) and no TRITON_INTERPRET.
 """
@@ -158,43 +160,44 @@ FULL = (86, 90)
 
 
 def _mla_case(dtype, heads, context, sq=1, index_topk=0):
-    def run():
+    def run(device="cpu"):
         import torch
 
         from .kernels.mla_decode import mla_decode
 
         dt = getattr(torch, dtype)
         dk = V3["kv_lora_rank"] + V3["rope_dim"]
-        q = torch.empty(1, sq, heads, dk, dtype=dt)
-        cache = torch.empty(1, context, dk, dtype=dt)
-        lens = torch.full((1,), context, dtype=torch.int32)
-        indices = torch.zeros(1, sq, index_topk, dtype=torch.int32) if index_topk else None
+        q = torch.empty(1, sq, heads, dk, dtype=dt, device=device)
+        cache = torch.empty(1, context, dk, dtype=dt, device=device)
+        lens = torch.full((1,), context, dtype=torch.int32, device=device)
+        indices = torch.zeros(1, sq, index_topk, dtype=torch.int32, device=device) if index_topk else None
         mla_decode(q, cache, lens, 0.1, V3["kv_lora_rank"], indices=indices)
     return run
 
 
 def _gemv_case(dtype, fmt, m, tune=None, n=7168, k=2048):
-    def run():
+    def run(device="cpu"):
         import torch
 
         from .kernels import quant_matmul as qm, tuning
         from .quant.fp8 import scale_grid_shape
         from .quant.int4 import padded_k
 
-        x = torch.empty(m, k, dtype=getattr(torch, dtype))
+        x = torch.empty(m, k, dtype=getattr(torch, dtype), device=device)
         with _trying(tuning, "gemv", tune):
             if fmt == "int4":
                 kp = padded_k(k, 128)
-                s = torch.empty(n, kp // 128, dtype=torch.float16)
-                qm.w4a16_matmul(x, torch.empty(n, kp // 2, dtype=torch.uint8), s, torch.empty_like(s), k, 128)
+                s = torch.empty(n, kp // 128, dtype=torch.float16, device=device)
+                qm.w4a16_matmul(x, torch.empty(n, kp // 2, dtype=torch.uint8, device=device), s, torch.empty_like(s),
+                                k, 128)
             else:
-                qm.w8a16_matmul(x, torch.empty(n, k, dtype=torch.float8_e4m3fn),
-                                torch.empty(scale_grid_shape(n, k), dtype=torch.float32))
+                qm.w8a16_matmul(x, torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device),
+                                torch.empty(scale_grid_shape(n, k), dtype=torch.float32, device=device))
     return run
 
 
 def _moe_case(dtype, fmt, group, m, launcher="fused_moe", tune=None):
-    def run():
+    def run(device="cpu"):
         import torch
 
         from .kernels import fused_moe as fm, tuning
@@ -202,12 +205,13 @@ def _moe_case(dtype, fmt, group, m, launcher="fused_moe", tune=None):
 
         layout = get_format(fmt, group).layout(V3["inter"], V3["hidden"])
         slots = 16
-        x = torch.empty(m, V3["hidden"], dtype=getattr(torch, dtype))
-        ids = torch.stack([torch.randperm(slots)[:V3["top_k"]] for _ in range(m)])
-        weights = torch.empty(m, V3["top_k"], dtype=torch.float32)
-        pool = torch.empty(slots, layout.blob_bytes, dtype=torch.uint8)
+        x = torch.empty(m, V3["hidden"], dtype=getattr(torch, dtype), device=device)
+        ids = torch.stack([torch.randperm(slots)[:V3["top_k"]] for _ in range(m)]).to(device)
+        weights = torch.empty(m, V3["top_k"], dtype=torch.float32, device=device)
+        pool = torch.empty(slots, layout.blob_bytes, dtype=torch.uint8, device=device)
         with _trying(tuning, *(tune or (None, None))):
-            getattr(fm, launcher)(x, ids, weights, torch.arange(slots, dtype=torch.int32), pool, layout)
+            getattr(fm, launcher)(x, ids, weights, torch.arange(slots, dtype=torch.int32, device=device), pool,
+                                  layout)
     return run
 
 
@@ -309,8 +313,31 @@ def compile_all(ccs: list[int], names: list[str] | None = None, timeout: int = 9
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 
+def warm(shard: int, shards: int) -> int:
+    """Run this GPU's cases (every case when its architecture has no list) shard `shard` of `shards`, on the GPU:
+    their kernels land in Triton's cache, so later launches at these sizes do not compile (the GPU suite runs the
+    shards in parallel before it measures). Tensors are uninitialized; nothing is checked. -> cases run."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    cc = 10 * major + minor
+    cases = launcher_cases(cc if cc in ARCHS else None)
+    names = sorted(cases)[shard::shards]
+    for name in names:
+        cases[name]("cuda")
+    torch.cuda.synchronize()
+    return len(names)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if args[:1] == ["--warm"]:
+        print(f"warmed {warm(int(args[1]), int(args[2]))} cases")
+        sys.exit(0)
+    if args[:1] == ["--list"]:
+        for cc in ARCHS:
+            print(f"sm_{cc}: {len(launcher_cases(cc))} cases")
+        sys.exit(0)
     names = None
     if "--cases" in args:
         i = args.index("--cases")
