@@ -509,3 +509,40 @@ def paced(generate, seconds_per_token: float):
         return gen()
 
     return wrapped
+
+
+# operators a CUDA graph cannot hold, and that sync a step: reads of tensor data to the host, data-dependent shapes,
+# tensors made from host values
+HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.equal", "aten.is_nonzero", "aten.nonzero",
+              "aten.argwhere", "aten.masked_select", "aten._unique", "aten.unique", "aten.bincount",
+              "aten.repeat_interleave.Tensor", "aten.lift_fresh")
+
+
+class HostReads:
+    """Records the operators that a CUDA graph cannot hold, run under it: reads of tensor data to the host
+    (.item(), .tolist(), bool(t)), data-dependent shapes, and tensors made from host values (a copy from
+    pageable memory inside a capture). `with probe.mode(): ...` records into probe.found."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        found = self.found = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func)
+                if name.startswith(HOST_READS):
+                    found.append(name)
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode
+
+    def capture(self, fn):
+        """A stand-in capture for dsv3lite.graphs (static outputs, a replay that rewrites them), under the probe."""
+        with self.mode():
+            static = {k: v.clone() for k, v in fn().items()}
+
+        def replay():
+            with self.mode():
+                for k, v in fn().items():
+                    static[k].copy_(v)
+        return static, replay

@@ -405,7 +405,9 @@ def _tile_map(flat_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[tor
     `order`, each expert's rows cut into tiles of block_m; the rows past the last tile are empty."""
     p = flat_ids.numel()
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=n_experts)[:n_experts]
+    # (not bincount: on a GPU it reads the largest id back to size its output)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat_ids.device).scatter_add_(
+        0, flat_ids, torch.ones_like(flat_ids))
     tiles_per_expert = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles_per_expert, 0)
     seg_start = torch.cumsum(counts, 0) - counts

@@ -352,6 +352,19 @@ def test_grouped_sum_is_the_offloaded_prefills():
     assert torch.equal(combine_experts(one, x, ids, weights), grouped)
 
 
+def test_grouped_reads_nothing_back_to_the_host():
+    # no sync per MoE layer of a prompt: the tile map and the sum stay on the device (what a CUDA graph could hold)
+    from dsv3lite.testing import HostReads
+
+    ex = experts("int4", 32)
+    slot_of_expert, pool = ex.scattered_pool(seed=7)
+    x, ids, weights = routing(20, 4, seed=7)
+    probe = HostReads()
+    with probe.mode():
+        fm.fused_moe_grouped(x, ids, weights, slot_of_expert, pool, ex.layout, block_m=16)
+    assert probe.found == []
+
+
 def test_tile_map_covers_every_pair_once():
     gen = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(10, generator=gen)[:3] for _ in range(50)])   # 150 pairs, 10 experts
