@@ -153,9 +153,9 @@ KIMI_HEADS = 64           # Kimi-K2: V3's widths with 64 heads and int4 experts 
 MOE_FORMATS = (("int4", 128), ("int4", 32), ("fp8", 128), ("bf16", 128))
 # (dtype, rows) per weight-reading launcher: batch-1 decode, tensor cores with 16-bit and fp32 x, 2 fp32 rows
 DECODE_SHAPES = (("bfloat16", 1), ("float16", 16), ("float32", 16), ("float32", 2))
-# the full product (every dtype, 2 and 16 rows) on the smallest shared memory without Triton's fp8 type, and on
-# the H200's architecture; sm_80 (same code as sm_86, more shared memory) and sm_89 (sm_86's limit, native fp8)
-# compile DECODE_SHAPES of the formats whose code they change
+# every format in DECODE_SHAPES on the smallest shared memory without Triton's fp8 type and on the H200's
+# architecture; sm_80 (sm_86's code, more shared memory) and sm_89 (sm_86's limit, native fp8) compile them for the
+# formats whose code they change, and a representative of the others
 FULL = (86, 90)
 
 
@@ -231,29 +231,26 @@ def _cases() -> dict:
     for fmt in ("int4", "fp8"):
         for dt, m in DECODE_SHAPES:
             cases[f"gemv {fmt} {dt} M={m}"] = (_gemv_case(dt, fmt, m), every if fmt == "fp8" or m == 1 else FULL + (80,))
-        for dt in ("bfloat16", "float16"):
-            cases.setdefault(f"gemv {fmt} {dt} M=2", (_gemv_case(dt, fmt, 2), FULL))
     for fmt, group in MOE_FORMATS:
         f = f"{fmt}-g{group}"
         for dt, m in DECODE_SHAPES:
             archs = every if fmt == "fp8" or (fmt, group, m) == ("int4", 128, 1) else FULL + (80,) * (m == 16)
             cases[f"moe {f} {dt} M={m}"] = (_moe_case(dt, fmt, group, m), archs)
-        for dt in ("bfloat16", "float16"):
-            cases.setdefault(f"moe {f} {dt} M=2", (_moe_case(dt, fmt, group, 2), FULL))
         for dt in ("bfloat16", "float32"):
             archs = every if fmt in ("fp8", "int4") and group == 128 else FULL
             cases[f"grouped {f} {dt}"] = (_moe_case(dt, fmt, group, 64, "fused_moe_grouped"), archs)
     cases["grouped int4-g128 float16"] = (_moe_case("float16", "int4", 128, 64, "fused_moe_grouped"), every)
-    # what the GPU suite's sweep may pick: each candidate at batch 1, bf16, int4 (the sweep's format)
+    # what the GPU suite's sweep times on the H200: each candidate at batch 1, bf16, int4 (the sweep's format); a
+    # winner copied into tuning.DEFAULTS is then compiled for every architecture by the cases above
     from .kernels import tuning
 
     for kernel, candidates in tuning.CANDIDATES.items():
         for knobs in candidates:
             tag = " ".join(f"{k}={v}" for k, v in knobs.items())
             if kernel == "gemv":
-                cases[f"sweep gemv {tag}"] = (_gemv_case("bfloat16", "int4", 1, knobs), FULL)
+                cases[f"sweep gemv {tag}"] = (_gemv_case("bfloat16", "int4", 1, knobs), (90,))
             else:
-                cases[f"sweep {kernel} {tag}"] = (_moe_case("bfloat16", "int4", 128, 1, tune=(kernel, knobs)), FULL)
+                cases[f"sweep {kernel} {tag}"] = (_moe_case("bfloat16", "int4", 128, 1, tune=(kernel, knobs)), (90,))
     return cases
 
 
@@ -263,9 +260,10 @@ def launcher_cases(cc: int | None = None) -> dict:
     return {name: fn for name, (fn, archs) in _cases().items() if cc is None or cc in archs}
 
 
-# A launch that is not a launcher's: the configuration the MLA decode launcher picked for fp32 before issue 26
-# (BLOCK_N 32, 2 stages: 112,704 B of shared memory), which the tests compile to show that the check catches it.
-def _mla_fp32_before_fix():
+# Launches that are not a launcher's, compiled beside the cases to show that the checks catch what they look for:
+# the configuration the MLA decode launcher picked for fp32 before issue 26 (BLOCK_N 32, 2 stages: 112,704 B of
+# shared memory), and a kernel that needs more than 255 registers (16 x 512 fp32 values live in one warp).
+def _mla_fp32_before_fix(device="cpu"):
     import torch
 
     from .kernels import mla_decode as mla
@@ -281,16 +279,34 @@ def _mla_fp32_before_fix():
         SPARSE=False, UPCAST=False, DOT_PRECISION="ieee", num_warps=8, num_stages=2)
 
 
-PROBES = {"mla float32 as launched before the fix": _mla_fp32_before_fix}
+def _spilling_kernel(device="cpu"):
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def live_16x512(x_ptr, y_ptr, n):
+        offs = tl.arange(0, 16)[:, None] * 512 + tl.arange(0, 512)[None, :]
+        acc = tl.load(x_ptr + offs)
+        for i in range(n):
+            acc = acc * tl.load(x_ptr + offs + i) + tl.sqrt(acc + i)
+        tl.store(y_ptr + offs, acc)
+
+    x = torch.empty(16 * 512 + 64)
+    live_16x512[(1,)](x, x, 4, num_warps=1)
+
+
+PROBE_BEFORE_FIX, PROBE_SPILLS = "mla float32 as launched before the fix", "a kernel that spills"
+PROBES = {PROBE_BEFORE_FIX: (_mla_fp32_before_fix, (86, 90)), PROBE_SPILLS: (_spilling_kernel, (90,))}
 
 
 def run_cases(ccs: list[int], names: list[str] | None = None, out=sys.stdout) -> None:
-    """Each case compiled for each of `ccs` (PROBES too when named), one JSON line per (case, arch): its launches, or
-    the error it raised."""
+    """Each case (and each probe) compiled for each of `ccs` it names, or those of `names`; one JSON line per
+    (case, arch): its launches, or the error it raised."""
     for cc in ccs:
-        cases = dict(launcher_cases(cc), **PROBES)
+        cases = dict(launcher_cases(cc), **{n: fn for n, (fn, archs) in PROBES.items() if cc in archs})
         with simulated_gpu(cc) as gpu:
-            for name in names or launcher_cases(cc):
+            for name in names or cases:
                 if name not in cases:
                     continue
                 first = len(gpu.launches)
