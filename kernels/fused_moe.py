@@ -27,7 +27,8 @@ import torch
 from . import dispatch, tuning
 from .dispatch import jit as _jit, tl, triton
 from .quant_matmul import (FMT_CODES, FMT_FP8, FMT_FP8_BYTES, FMT_INT4, _X_DTYPES, _acc_result, _acc_zeros, _cast,
-                           _k_loop, dot_precision, fp8_code, fp8_weight_view, launch_config, num_tiles, plan_blocks)
+                           _k_loop, _scale_rows, dot_precision, fp8_code, fp8_weight_view, launch_config, num_tiles,
+                           plan_blocks)
 from ..quant.layout import BlobLayout, MATRICES
 
 SUM_BLOCK = 256             # columns of y a program of the final sum writes
@@ -103,10 +104,7 @@ def _moe_gate_up_kernel(
         n_ok = offs_n < I
         wbase = wpool_ptr + slot.to(tl.int64) * wslot
         sbase = spool_ptr + slot.to(tl.int64) * sslot
-        if FMT == 1 or FMT == 3:
-            s_off = (offs_n // 128) * stride_sn
-        else:
-            s_off = offs_n * stride_sn
+        s_off = _scale_rows(offs_n, stride_sn, FMT)
         x_off = rows * stride_xm
         # gate, then up: one accumulator and one tile stream live at a time
         gate = _acc_result(_k_loop(_acc_zeros(BLOCK_M, BLOCK_N, FMT, BLOCK_K, USE_DOT), 0, n_tiles,
@@ -147,10 +145,7 @@ def _moe_down_kernel(
         route_w = tl.load(weights_ptr + rows * stride_rm + kidx, mask=has, other=0.0)
         slot = tl.load(slot_ptr + e)
         if slot >= 0:
-            if FMT == 1 or FMT == 3:
-                s_off = (offs_n // 128) * stride_sn
-            else:
-                s_off = offs_n * stride_sn
+            s_off = _scale_rows(offs_n, stride_sn, FMT)
             wbase = wpool_ptr + slot.to(tl.int64) * wslot
             sbase = spool_ptr + slot.to(tl.int64) * sslot
             out = _acc_result(_k_loop(_acc_zeros(BLOCK_M, BLOCK_N, FMT, BLOCK_K, USE_DOT), 0, n_tiles,
@@ -350,10 +345,7 @@ def _grouped_gate_up_kernel(
         n_ok = offs_n < I
         wbase = wpool_ptr + slot.to(tl.int64) * wslot
         sbase = spool_ptr + slot.to(tl.int64) * sslot
-        if FMT == 1 or FMT == 3:
-            s_off = (offs_n // 128) * stride_sn
-        else:
-            s_off = offs_n * stride_sn
+        s_off = _scale_rows(offs_n, stride_sn, FMT)
         x_off = (pair // TOP_K) * stride_xm
         gate = _k_loop(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), 0, n_tiles, x_ptr, x_off, r_ok, D,
                        wbase + gate_w, offs_n * stride_wn, sbase + gate_s, sbase + gate_z, s_off, n_ok,
@@ -384,10 +376,7 @@ def _grouped_down_kernel(
         slot = tl.load(slot_ptr + e)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if slot >= 0:
-            if FMT == 1 or FMT == 3:
-                s_off = (offs_n // 128) * stride_sn
-            else:
-                s_off = offs_n * stride_sn
+            s_off = _scale_rows(offs_n, stride_sn, FMT)
             wbase = wpool_ptr + slot.to(tl.int64) * wslot
             sbase = spool_ptr + slot.to(tl.int64) * sslot
             acc = _k_loop(acc, 0, n_tiles, h_ptr, r * I, r_ok, I, wbase + down_w, offs_n * stride_wn,

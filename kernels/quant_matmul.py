@@ -206,6 +206,16 @@ def _tile_product(acc, xa, xb, q, s, z, FMT: tl.constexpr, USE_DOT: tl.constexpr
 
 
 @_jit
+def _scale_rows(offs_n, stride_sn, FMT: tl.constexpr):
+    # offsets of the output rows' scales (and zeros): a row each, or for fp8 the row n // 128 of the block grid
+    if FMT == 1 or FMT == 3:
+        s_off = (offs_n // 128) * stride_sn
+    else:
+        s_off = offs_n * stride_sn
+    return s_off
+
+
+@_jit
 def _k_loop(acc, start, stop, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, z_ptr, s_off, n_ok,
             FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
             UPCAST: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
@@ -241,10 +251,7 @@ def _quant_matmul_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    if FMT == 1 or FMT == 3:
-        s_off = (offs_n // 128) * stride_sn
-    else:
-        s_off = offs_n * stride_sn
+    s_off = _scale_rows(offs_n, stride_sn, FMT)
 
     start = split * tiles_per_split
     acc = _k_loop(_acc_zeros(BLOCK_M, BLOCK_N, FMT, BLOCK_K, USE_DOT), start,
