@@ -4,9 +4,9 @@
 `BlobExperts` holds every expert of one layer resident as [n_experts, blob_bytes] uint8 in one of the
 quant formats; the offloading runtime's provider reads the same blobs from its slot pool, so both give
 the same bits for the same expert. Where kernels run (CUDA), decode steps go through the fused MoE
-kernel with the blobs as the slot pool (slot e = expert e), prompts through its grouped (expert-major) kernels. On CPU every call (decode, MTP verification, prefill)
-is one call of the compiled CPU kernel for all of the layer's selected experts (kernels/cpu_experts.py), where
-there is one; else each expert through its format's path.
+kernel with the blobs as the slot pool (slot e = expert e), prompts through its grouped (expert-major) kernels.
+On CPU every call (decode, MTP verification, prefill) is one call of the compiled CPU kernel for all of the layer's
+selected experts (kernels/cpu_experts.py), where there is one; else each expert through its format's path.
 """
 from __future__ import annotations
 

@@ -230,7 +230,8 @@ def _cases() -> dict:
     cases["mla bfloat16 Kimi-K2 128K verify"] = (_mla_case("bfloat16", KIMI_HEADS, 131072, sq=2), every)
     for fmt in ("int4", "fp8"):
         for dt, m in DECODE_SHAPES:
-            cases[f"gemv {fmt} {dt} M={m}"] = (_gemv_case(dt, fmt, m), every if fmt == "fp8" or m == 1 else FULL + (80,))
+            archs = every if fmt == "fp8" or m == 1 else FULL + (80,)
+            cases[f"gemv {fmt} {dt} M={m}"] = (_gemv_case(dt, fmt, m), archs)
     for fmt, group in MOE_FORMATS:
         f = f"{fmt}-g{group}"
         for dt, m in DECODE_SHAPES:
@@ -323,7 +324,9 @@ def compile_all(ccs: list[int], names: list[str] | None = None, timeout: int = 9
     """run_cases in a fresh interpreter (no TRITON_INTERPRET); its JSON lines parsed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    cmd = [sys.executable, "-m", "dsv3lite.testing_gpu", *map(str, ccs)] + (["--cases", ",".join(names)] if names else [])
+    cmd = [sys.executable, "-m", "dsv3lite.testing_gpu", *map(str, ccs)]
+    if names:
+        cmd += ["--cases", ",".join(names)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]

@@ -14,8 +14,8 @@ and `slot_of_expert` says which row holds each expert of this layer. Decode (M =
   (c) sum: y[t] = part's rows of token t added in ascending expert id, in fp32, rounded once. The order is fixed
       and nothing is atomic, so y does not depend on which slot holds an expert.
 BLOCK_M is 16 on the tensor-core path (3+ tokens) and M itself for 1-2 tokens (fp32 multiply-adds); the K loops
-are quant_matmul.py's `_k_loop` (next tile read before the current one is multiplied), launch configurations
-kernels/tuning.py's. Prefill (more tokens) takes the grouped kernels (`fused_moe_grouped`, below).
+are quant_matmul.py's `_k_loop` (at batch 1 the next tile is read before the current one is multiplied), launch
+configurations kernels/tuning.py's. Prefill (more tokens) takes the grouped kernels (`fused_moe_grouped`, below).
 Experts with slot -1 (not resident) are skipped, or take their outputs from `external_out` (computed
 elsewhere, e.g. on the CPU) so that they still join the sum in its place in the order.
 Formats int4 / fp8 / bf16 (nf4 stays on bitsandbytes: fused_moe_auto runs the twin for it).
@@ -98,7 +98,7 @@ def _moe_gate_up_kernel(
     USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     e, owner, rows, has, kidx = _owner(ids_ptr, stride_im, tl.program_id(0), M, TOP_K, BLOCK_M, BLOCK_KE)
-    slot = tl.load(slot_ptr + e)
+    slot = tl.load(slot_ptr + e, mask=owner, other=-1)
     if owner & (slot >= 0):
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < I

@@ -2,7 +2,8 @@
 
 y = x @ W^T with W read in its storage format and dequantized tile by tile in registers, exactly as the
 format does it (quant/int4.py, quant/fp8.py), then multiplied in x's dtype with fp32 accumulation.
-`_dot_step` is the one tile step per format; fused_moe.py reuses it on weights in the expert slot pool.
+`_k_loop` is the one K loop for every format (its tile read and product per format); fused_moe.py runs it on weights
+in the expert slot pool. Launch configurations: kernels/tuning.py.
 Every launcher takes component tensors as views (`BlobLayout.view`), so they may point into a pool row.
 """
 from __future__ import annotations
