@@ -78,3 +78,18 @@ def test_max_threads_follows_the_register_file():
     assert tg.max_threads(32) == 1024
     assert tg.max_threads(128) == 512
     assert tg.max_threads(255) == 256          # 256 registers a thread: 8 warps fill the 65,536
+
+
+def test_batch_one_launches_give_every_sm_of_an_h200_work(compiled):
+    """Issue 26: the MoE down projection ran 448 programs on 132 SMs and the MLA merge 8; at DeepSeek-V3's sizes
+    each batch-1 launch now has at least two programs per SM (grids as the launchers chose them for sm_90)."""
+    sms = tg.ARCHS[90].sms
+
+    def programs(case, kernel):
+        (launch,) = [k for k in compiled[case, 90]["launches"] if k["kernel"] == kernel]
+        return launch["grid"][0] * launch["grid"][1] * launch["grid"][2]
+    assert programs("moe int4-g128 bfloat16 M=1", "_moe_down_kernel") == 7168 // 16 * 8 >= 2 * sms
+    assert programs("moe int4-g128 bfloat16 M=1", "_moe_gate_up_kernel") >= 2 * sms
+    assert programs("gemv int4 bfloat16 M=1", "_quant_matmul_kernel") >= 2 * sms
+    assert programs("mla bfloat16 V3 4K", "_mla_decode_merge_kernel") >= sms
+    assert programs("mla bfloat16 V3 4K", "_mla_decode_split_kernel") >= sms
