@@ -34,7 +34,8 @@ SUITE_BUDGET_S="${SUITE_BUDGET_S:-340}"   # the whole run, setup included (the m
                                           # stopped at its limit gets 5 s more to end, the summary 2)
 MAX_FILES=8
 STAGES=(
-    "setup 40"
+    "setup 15"
+    "compile 30"
     "kernels 65"
     "sweep 35"
     "prefill 25"
@@ -55,9 +56,8 @@ cd "$SITE"                             # (python -m puts the working folder firs
 log() { echo "[gpu_suite $(date +%H:%M:%S)] $*" >&2; }
 
 # ---- stage: setup -----------------------------------------------------------------------------------------------
-# The environment, the link folder, an import check, and every launcher of this GPU's architecture run once at
-# DeepSeek-V3 sizes in parallel processes (dsv3lite/testing_gpu.py --warm): Triton compiles on all cores now, not
-# one kernel at a time inside the timed stages.
+# The environment and an import check through the link folder (the other stages need it: if it fails, they do not
+# run).
 stage_setup() {
     {
         echo '```'
@@ -71,7 +71,14 @@ stage_setup() {
     } > "$WORK/env.md"
     "$PYTHON" -c 'import dsv3lite, dsv3lite.kernels.fused_moe, dsv3lite.kernels.mla_decode, dsv3lite.kernels.quant_matmul, dsv3lite.kernels.tuning
 assert dsv3lite.__file__.startswith(__import__("os").environ["SITE"]), dsv3lite.__file__
-print("imports from", dsv3lite.__file__)' || return 1
+print("imports from", dsv3lite.__file__)'
+}
+
+# ---- stage: compile ---------------------------------------------------------------------------------------------
+# Every launcher of this GPU's architecture run once at DeepSeek-V3 sizes, in parallel processes
+# (dsv3lite/testing_gpu.py --warm): Triton compiles on all cores now, not one kernel at a time in the timed stages.
+# A launch that fails here is reported with its error; the stages still run.
+stage_compile() {
     if [ "$DRY_RUN" = 1 ]; then
         "$PYTHON" -m dsv3lite.testing_gpu --list
         return
@@ -82,8 +89,13 @@ print("imports from", dsv3lite.__file__)' || return 1
         pids+=($!)
     done
     for i in "${!pids[@]}"; do
-        wait "${pids[$i]}" || { rc=1; echo "warm shard $i failed:"; tail -20 "$WORK/warm$i.log"; }
+        wait "${pids[$i]}" || { rc=1; echo "compile shard $i:"; tail -20 "$WORK/warm$i.log"; }
     done
+    {
+        echo "### compile: this GPU's launchers at V3 sizes, $shards processes"
+        echo
+        cat "$WORK"/warm*.log | grep -E '^(warmed|failed)' | sort | uniq -c | sed 's/^/- /'
+    } > "$WORK/compile.md"
     return $rc
 }
 

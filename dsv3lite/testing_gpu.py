@@ -332,27 +332,34 @@ def compile_all(ccs: list[int], names: list[str] | None = None, timeout: int = 9
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 
-def warm(shard: int, shards: int) -> int:
+def warm(shard: int, shards: int) -> tuple[int, int]:
     """Run this GPU's cases (every case when its architecture has no list) shard `shard` of `shards`, on the GPU:
     their kernels land in Triton's cache, so later launches at these sizes do not compile (the GPU suite runs the
-    shards in parallel before it measures). Tensors are uninitialized; nothing is checked. -> cases run."""
+    shards in parallel before it measures). Tensors are uninitialized; nothing is checked. -> (cases run, cases
+    that raised: each printed)."""
     import torch
 
     major, minor = torch.cuda.get_device_capability()
     cc = 10 * major + minor
     cases = launcher_cases(cc if cc in ARCHS else None)
     names = sorted(cases)[shard::shards]
+    failed = 0
     for name in names:
-        cases[name]("cuda")
-    torch.cuda.synchronize()
-    return len(names)
+        try:
+            cases[name]("cuda")
+            torch.cuda.synchronize()
+        except Exception as e:                           # noqa: BLE001 (reported; the other cases still run)
+            failed += 1
+            print(f"failed: {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return len(names) - failed, failed
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["--warm"]:
-        print(f"warmed {warm(int(args[1]), int(args[2]))} cases")
-        sys.exit(0)
+        ran, failed = warm(int(args[1]), int(args[2]))
+        print(f"warmed {ran} cases" + (f", {failed} failed" if failed else ""))
+        sys.exit(1 if failed else 0)
     if args[:1] == ["--list"]:
         for cc in ARCHS:
             print(f"sm_{cc}: {len(launcher_cases(cc))} cases")
