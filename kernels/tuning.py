@@ -7,9 +7,9 @@ A kernel has one configuration per regime:
   dot32   3+ rows of fp32 x: "ieee" dot products, whose operands sit in registers (smaller tiles, or they spill)
 Knobs: block_n (output columns a program computes), block_k (weight elements a K tile reads, per row), num_warps,
 num_stages, prefetch (read the next K tile before multiplying the current one), block_m (grouped kernels: rows of a
-tile). Every default and every candidate compiles within shared memory and without register spills on sm_80, 86,
-89 and 90 (tests/test_gpu_compile.py). DSV3LITE_TUNING=FILE.json ({kernel: {regime: {knob: value}}}, what the sweep
-writes) replaces entries for a run.
+tile). Every default compiles within shared memory and without register spills on sm_80, 86, 89 and 90, every
+candidate on sm_90, where the sweep runs (tests/test_gpu_compile.py). DSV3LITE_TUNING=FILE.json ({kernel: {regime:
+{knob: value}}}, what the sweep writes) replaces entries for a run.
 """
 from __future__ import annotations
 
