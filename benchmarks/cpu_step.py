@@ -34,20 +34,26 @@ def timed(fn, n: int) -> float:
 
 
 def block_rows(rounds: int, calls: int) -> dict:
+    from dsv3lite.cache import LatentCache, Positions
+    from dsv3lite.kernels import cpu_decode
     from dsv3lite.model import Rotary
     from dsv3lite.testing_realwidth import realwidth_moe_block
 
     block, args = realwidth_moe_block()
-    cache = torch.randn(1, 256, args.cache_dim) * 0.5
+    cache = LatentCache(torch.randn(1, 256, args.cache_dim) * 0.5, args.latent_dim)
     h = torch.randn(1, 1, args.hidden_size)
     cos, sin = (t[:, None] for t in Rotary(args)(100, 1, torch.device("cpu")))
+    steps = {"eager": (lambda: block.attention(h, Positions(100, 1), cos, sin, cache, True),
+                       lambda: block.feed_forward(h)),
+             "kernel step": (lambda: cpu_decode.attention(block, h, 100, cos, sin, cache),
+                             lambda: cpu_decode.feed_forward(block, h))}
     rows = {f"{m}: {part}": [] for m in MODES for part in ("attention", "feed-forward")}
     with torch.inference_mode():
+        assert all(fn() is not None for fn in steps["kernel step"]), "the compiled kernels did not run"
         for _ in range(rounds):
-            for mode, env in MODES.items():
-                os.environ["DSV3LITE_CPU_DECODE"] = env
-                rows[f"{mode}: attention"].append(timed(lambda: block.attention(h, 100, cos, sin, cache, True), calls))
-                rows[f"{mode}: feed-forward"].append(timed(lambda: block.feed_forward(h), calls))
+            for mode, (attention, feed_forward) in steps.items():
+                rows[f"{mode}: attention"].append(timed(attention, calls))
+                rows[f"{mode}: feed-forward"].append(timed(feed_forward, calls))
     return {k: statistics.median(v) for k, v in rows.items()}
 
 

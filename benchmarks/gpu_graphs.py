@@ -2,7 +2,7 @@
 
 A checkpoint with V3's depth and routing (61 layers, first 3 dense, 256 experts, top-8 in 4 of 8 groups) at tiny
 widths (`dsv3lite.testing.write_geometry_checkpoint`), so the step is all host time: each engine decodes the same
-greedy tokens with its decode graphs (dsv3lite/graphs.py) and with them set aside (the eager step), in alternating
+greedy tokens with its decode graphs (dsv3lite/executors/graphs.py) and with them set aside (the eager step), in alternating
 rounds, resident (bf16 expert blobs through the fused kernel: one graph a step) and offloaded at 25% of the
 experts (one graph per MoE layer, the runtime between them). Reports tok/s, host ms per token and per layer, the
 graphs per step, whether the tokens match, and why graphs turned off if they did.
@@ -42,7 +42,7 @@ def engine_builders(path: Path, device: str, ctx: int, log) -> list:
     def prepared(llm):
         llm.stop_ids = set()
         if device != "cuda":                    # the logic check: the stand-in capture
-            from dsv3lite.graphs import DecodeGraphs, eager_capture
+            from dsv3lite.executors.graphs import DecodeGraphs, eager_capture
             llm.graphs = DecodeGraphs(llm.model, log=log, capture=eager_capture)
         return llm
     return [("resident", lambda: prepared(dsv3lite.load(path, **kw))),
@@ -102,7 +102,7 @@ def main():
     ap.add_argument("--dry-run", action="store_true", help="check the arguments and imports, measure nothing")
     a = ap.parse_args()
     if a.dry_run:
-        import dsv3lite.graphs  # noqa: F401
+        import dsv3lite.executors.graphs  # noqa: F401
         from dsv3lite.testing import write_geometry_checkpoint  # noqa: F401
 
         a.out.mkdir(parents=True, exist_ok=True)

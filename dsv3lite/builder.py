@@ -43,16 +43,16 @@ def kernel_blobs_at_load(args: ModelArgs, experts: str | None, device: torch.dev
     return "the CPU expert kernel" if device.type == "cpu" and large and cpu_build.library() is not None else None
 
 
-def resident_experts(root: Path, args: ModelArgs, experts: str | None, device: torch.device, log,
+def resident_experts(source, args: ModelArgs, experts: str | None, kernel: str | None, device: torch.device, log,
                      cpu_mem: int | None = None):
     """The Loader's expert provider when nothing is offloaded: packed blobs on `device` (a quantized dir's mapped
-    blobs, an HF dir's experts quantized at load, or packed in their own precision for a kernel:
-    kernel_blobs_at_load), or None to keep an HF dir's dense experts.
+    blobs, an HF dir's experts quantized at load, or packed in their own precision for `kernel`:
+    kernel_blobs_at_load), or None to keep an HF dir's dense experts. source: experts.expert_source's answer.
     cpu_mem (--cpu-mem, bytes, CPU): bounds the mapped blobs' resident pages; blobs packed in memory must fit it."""
-    from .experts import BlobExperts, expert_source
+    from .experts import BlobExperts
 
-    kernel = kernel_blobs_at_load(args, experts, device)
-    source = expert_source(root, args, experts, blobs_required=kernel is not None)
+    if source is not None and not source.mapped and experts is None and kernel is None:
+        source = None                             # an HF checkpoint nothing asks to pack: its dense experts
     if source is None:
         if cpu_mem is not None:
             log("note: --cpu-mem bounds packed expert blobs; this run keeps the checkpoint's dense experts")
@@ -88,7 +88,7 @@ def resident_cap(source, args: ModelArgs, device: torch.device, cpu_mem: int | N
 
 
 def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.device, budget: int, ctx_size: int,
-                 experts: str | None, mtp: bool, dtype: torch.dtype, log) -> str | None:
+                 experts: str | None, mtp: bool, dtype: torch.dtype, log, source=None) -> str | None:
     """The --dense of a CUDA run: `dense` when given; else, when the plan with the non-expert weights in `dtype`
     does not fit `budget` (too small for the resident set and the minimum of expert slots): "fp8" for an FP8
     checkpoint (128x128 blocks) whose plan fits with them kept in fp8, said in one log line; failing that, a note
@@ -99,7 +99,7 @@ def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.d
 
     def plan(d):
         try:
-            p = plan_for(root, args, budget, ctx_size, experts, mtp, dtype, d)[0]
+            p = plan_for(root, args, budget, ctx_size, experts, mtp, dtype, d, source)[0]
         except UserError:
             return None
         return p if p.n_slots > 0 else None
@@ -126,6 +126,7 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     non-expert weights packed to this dtype while loading (dense.py; on CUDA an FP8 checkpoint that needs it gets
     fp8, `choose_dense`)."""
     from .dense import PackedLinear, check_dense
+    from .experts import expert_source
     from .generate import Engine
     from .loader import Loader
     from .offload.options import OffloadOptions
@@ -158,15 +159,20 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
         log(f"note: {root} has no tokenizer.json: the model takes and returns token ids only")
     t0 = time.perf_counter()
     offload = None
-    if gpu_mem is not None or dev.type == "cuda":
+    offloading = gpu_mem is not None or dev.type == "cuda"
+    kernel = kernel_blobs_at_load(args, experts, dev)
+    # where the routed experts come from, resolved once for the plan, the host tier and the resident provider
+    source = expert_source(root, args, experts, blobs_required=offloading or kernel is not None)
+    if offloading:
         from .offload.setup import build_offload, resolve_budget
 
         if dev.type == "cuda" and dense is None:
-            dense = choose_dense(root, args, dense, dev, resolve_budget(gpu_mem, dev), ctx_size, experts, mtp, dt, log)
+            dense = choose_dense(root, args, dense, dev, resolve_budget(gpu_mem, dev), ctx_size, experts, mtp, dt, log,
+                                 source)
         offload = build_offload(root, args, experts, gpu_mem, ctx_size, dev, dt, mtp, offload_options, log=log,
-                                dense=dense)
+                                dense=dense, source=source)
     provider = offload.provider if offload is not None else \
-        resident_experts(root, args, experts, dev, log, offload_options.cpu_mem_bytes)
+        resident_experts(source, args, experts, kernel, dev, log, offload_options.cpu_mem_bytes)
     model = Loader(root, dev, dt, progress=progress, log=log, dense=dense).load(args, expert_provider=provider, mtp=mtp)
     packed = sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
     if offload is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "deepseek_v2", "deepseek_v4")
 # multimodal checkpoints whose language model is a text_config of one of the types above
 _TEXT_CONFIG_TYPES = {"kimi_k25": ("kimi_k2", "deepseek_v3")}
 
@@ -177,10 +177,15 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelArgs":
         model_type = cfg.get("model_type")
+        if model_type == "deepseek_v4":            # a family of its own (dsv3lite/v4)
+            from .v4.config import V4Args
+            return V4Args.from_dict(cfg)
         if model_type in _TEXT_CONFIG_TYPES:
             cfg = _text_config(cfg, model_type)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UserError(f"unsupported model_type {model_type!r}: dsv3lite runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+            what = " (DeepSeek-V4.1, a different architecture)" if model_type == "deepseek_v41" else ""
+            raise UserError(f"unsupported model_type {model_type!r}{what}: dsv3lite runs "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         known = {f.name for f in fields(cls) if f.init}
         kw = {k: v for k, v in _FAMILY_DEFAULTS[model_type].items()}
         kw.update({k: v for k, v in cfg.items() if k in known and v is not None})

@@ -21,7 +21,7 @@ from .errors import UserError
 from .kernels import cpu_experts, dispatch
 from .kernels.fused_moe import fused_moe, fused_moe_grouped
 from .limits import FUSED_MAX_TOKENS
-from .model import combine_experts
+from .moe import combine_experts
 from .quant.layout import BlobLayout, ExpertFormat
 
 
@@ -99,10 +99,12 @@ def expert_source(root: Path, args: ModelArgs, experts: str | None, blobs_requir
 
 
 class BlobExperts(nn.Module):
-    def __init__(self, blobs: torch.Tensor, fmt: ExpertFormat, layout: BlobLayout, resident_cap=None):
-        """resident_cap: a host_memory.ResidentCap told of every blob the CPU kernel reads (--cpu-mem on the CPU)."""
+    def __init__(self, blobs: torch.Tensor, fmt: ExpertFormat, layout: BlobLayout, resident_cap=None,
+                 limit: float | None = None):
+        """resident_cap: a host_memory.ResidentCap told of every blob the CPU kernel reads (--cpu-mem on the CPU).
+        limit: the SwiGLU clamp (DeepSeek-V4's swiglu_limit; quant.layout.swiglu_act)."""
         super().__init__()
-        self.resident_cap = resident_cap
+        self.resident_cap, self.limit = resident_cap, limit
         assert blobs.dtype == torch.uint8 and blobs.dim() == 2 and blobs.shape[1] == layout.blob_bytes
         self.fmt, self.layout = fmt, layout
         self.register_buffer("blobs", blobs, persistent=False)
@@ -111,12 +113,12 @@ class BlobExperts(nn.Module):
         self._cpu_ptrs: tuple[int, torch.Tensor] | None = None   # (blobs.data_ptr(), blob addresses) for the CPU kernel
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return self.fmt.expert_forward(self.blobs[e], x, self.layout).to(x.dtype)
+        return self.fmt.expert_forward(self.blobs[e], x, self.layout, self.limit).to(x.dtype)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and cpu_experts.available(self.layout):
+        if x.device.type == "cpu" and cpu_experts.available(self.layout, self.limit):
             return self._cpu(x, ids, weights)
-        if self.fmt.fused_kernel and dispatch.use_kernels(x.device):
+        if self.fmt.fused_kernel and dispatch.use_kernels(x.device) and self.limit is None:
             if x.shape[0] <= FUSED_MAX_TOKENS:
                 return fused_moe(x, ids, weights, self.slot_table, self.blobs, self.layout)
             # prefill: expert-major on tensor cores, weights decoded in registers, no read of the routing
@@ -130,13 +132,14 @@ class BlobExperts(nn.Module):
         if self.resident_cap is not None:
             return False
         if device.type == "cpu":
-            return cpu_experts.available(self.layout)
-        return bool(self.fmt.fused_kernel) and dispatch.use_kernels(device)
+            return cpu_experts.available(self.layout, self.limit)
+        return bool(self.fmt.fused_kernel) and self.limit is None and dispatch.use_kernels(device)
 
     def cpu_blobs(self):
         """(blob addresses [E], layout descriptor, tensors read) for the CPU decode step (kernels/cpu_decode.py),
         or None: not on the CPU, no compiled kernel for the layout, or --cpu-mem tracking each read."""
-        if self.resident_cap is not None or self.blobs.device.type != "cpu" or not cpu_experts.available(self.layout):
+        if self.resident_cap is not None or self.blobs.device.type != "cpu" or self.limit is not None or \
+                not cpu_experts.available(self.layout):
             return None
         return (cpu_experts.blob_pointers(self.blobs, self.blobs.shape[0], self.layout),
                 cpu_experts.layout_desc(self.layout), [self.blobs])
@@ -148,4 +151,5 @@ class BlobExperts(nn.Module):
             self._cpu_ptrs = (base, cpu_experts.blob_pointers(self.blobs, self.blobs.shape[0], self.layout))
         if self.resident_cap is not None:
             self.resident_cap.touch(self._cpu_ptrs[1][ids.view(-1).unique()].tolist())
-        return cpu_experts.cpu_experts_forward(x, ids, weights, self.blobs, self.layout, ptrs=self._cpu_ptrs[1])
+        return cpu_experts.cpu_experts_forward(x, ids, weights, self.blobs, self.layout, ptrs=self._cpu_ptrs[1],
+                                               limit=self.limit)

@@ -14,12 +14,13 @@ from typing import Iterator
 
 import torch
 
-from . import graphs
+from . import executors
+from .cache import ModelCache
 from .errors import UserError
-from .kernels import cpu_decode, dispatch
+from .executors.prefill import prefill_hidden
+from .kernels import cpu_decode
 from .limits import ABSORB_MAX_TOKENS, LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from .offload.stats import empty_expert_cache_stats
-from .prefill import prefill_hidden
 from .sampling import SamplingParams, sample, sampling_probs
 from .speculative import Speculator
 
@@ -149,19 +150,31 @@ class Engine:
         self.ctx_size = int(ctx_size)
         if self.ctx_size < 1:
             raise UserError(f"ctx_size must be >= 1, got {ctx_size}")
-        self.speculator = Speculator(model, device, mtp, num_draft_tokens, mtp_adaptive, log=self.log)
+        # how forward passes run (executors/): chosen once; on a GPU, decode steps replayed from CUDA graphs
+        # (--no-cuda-graphs or DSV3LITE_GRAPHS=0: the eager step), on the CPU the compiled step
+        self.executor = executors.choose(model, device, cuda_graphs, log=self.log)
+        self._base_executor = getattr(self.executor, "fallback", self.executor)
+        self.speculator = Speculator(model, self._base_executor, mtp, num_draft_tokens, mtp_adaptive, log=self.log)
         self.lock = threading.Lock()
-        self.cache: torch.Tensor | None = None           # [n_blocks, 1, ctx, cache_dim]: latent (| indexer key)
-        self.cached_tokens: list[int] = []                # tokens whose latents are valid in self.cache
+        self.cache: ModelCache | None = None              # every block's cache (the model's kinds), one sequence
+        self.cached_tokens: list[int] = []                # tokens whose state is valid in self.cache
         self.last = RunStats()
         self.offload = offload                            # the offloading runtime, when experts are offloaded
         self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
         self._kernel_step = device.type == "cpu" and cpu_decode.covers(model)
         self._eager_threads = decode_threads(self.args, device)      # the size rule, once
-        # on a GPU, decode steps replayed from CUDA graphs (graphs.py; --no-cuda-graphs or DSV3LITE_GRAPHS=0: the
-        # eager step)
-        self.graphs = graphs.DecodeGraphs(model, log=self.log) if cuda_graphs and device.type == "cuda" \
-            and graphs.enabled() and dispatch.use_kernels(device) and graphs.supported(model) else None
+
+    @property
+    def graphs(self):
+        """The decode graphs in use (executors/graphs.py's DecodeGraphs), or None (decode steps run without them).
+        Assigning one installs it (tests give one a stand-in capture); None goes back to the step without."""
+        return getattr(self.executor, "graphs", None)
+
+    @graphs.setter
+    def graphs(self, runner) -> None:
+        from .executors.graphs import GraphStep
+
+        self.executor = self._base_executor if runner is None else GraphStep(self._base_executor, runner)
 
     @property
     def decode_threads(self) -> int | None:
@@ -255,26 +268,17 @@ class Engine:
         if bad:
             raise UserError(f"token id {bad[0]} is outside the model's vocabulary (0..{self.args.vocab_size - 1})")
 
-    def _ensure_cache(self) -> torch.Tensor:
-        n_blocks = len(self.model.blocks())
-        if self.cache is None or self.cache.shape[0] != n_blocks:
-            # V3.2 keeps each layer's indexer keys next to its latents: cache_dim = latent_dim + index_head_dim
-            self.cache = torch.zeros(n_blocks, 1, self.ctx_size, self.args.cache_dim, dtype=self.dtype,
-                                     device=self.device)
+    def _ensure_cache(self) -> ModelCache:
+        if self.cache is None or len(self.cache) != len(self.model.blocks()):
+            self.cache = self.model.new_cache(self.ctx_size, self.dtype, self.device)
             self.reset()
         return self.cache
 
-    def _main_cache(self) -> torch.Tensor:
-        return self.cache[: self.args.num_hidden_layers]
-
     def _forward(self, tokens: list[int], start: int, all_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Main model over `tokens` at positions start.. -> (final-normed hidden [S, D], logits [S or 1, V])."""
-        h = self.graphs.hidden(tokens, start, self._main_cache()) if self.graphs is not None else None
-        if h is None:
-            x = torch.tensor([tokens], dtype=torch.long, device=self.device)
-            h = self.model.hidden(x, start, self._main_cache(), absorb=len(tokens) <= ABSORB_MAX_TOKENS)
-        h = h[0]
-        return h, self.model.head(h if all_logits else h[-1:])
+        """Main model over `tokens` at positions start.. -> (its hidden state [S, ...] (what MTP reads), logits
+        [S or 1, V])."""
+        h = self.executor.hidden(tokens, start, self.cache, absorb=len(tokens) <= ABSORB_MAX_TOKENS)[0]
+        return h, self.model.logits(h if all_logits else h[-1:])
 
     def _prefill(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Make the cache hold `ids`, reusing the cached prefix. -> (last logits [V], hidden of the
@@ -284,7 +288,10 @@ class Engine:
             if a != b:
                 break
             common += 1
-        common = self.speculator.keep(min(common, len(ids) - 1))     # at least one token runs, for its logits
+        # at least one token runs, for its logits; the MTP cache and every layer's cache must be able to keep it
+        common = self.cache.keepable(self.speculator.keep(min(common, len(ids) - 1)))
+        self.speculator.keep(common)
+        self.cache.truncate(common)
         self.cached_tokens = self.cached_tokens[:common]
         self.last.cached_prompt_tokens = common
         hiddens, logits = [], None
@@ -294,8 +301,8 @@ class Engine:
                 h, logits = self._forward(group, start, all_logits=False)
             else:                                      # layer-major: each MoE layer's experts once per group
                 x = torch.tensor([group], dtype=torch.long, device=self.device)
-                h = prefill_hidden(self.model, x, start, self._main_cache())[0]
-                logits = self.model.head(h[-1:])
+                h = prefill_hidden(self.model, x, start, self.cache)[0]
+                logits = self.model.logits(h[-1:])
             hiddens.append(h)
             self.cached_tokens = ids[:start + len(group)]
         return logits[-1], torch.cat(hiddens), common

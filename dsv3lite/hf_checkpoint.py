@@ -255,10 +255,25 @@ def has_mtp(root: Path, args: ModelArgs) -> bool:
 
 # ---- reading tensors --------------------------------------------------------------------------------------
 
-def check_fp8_scale(name: str, weight_shape, scale_shape) -> None:
+# a weight's scale: `<name>_scale_inv` (DeepSeek-V3, float32), or `<stem>.scale` for `<stem>.weight` (DeepSeek-V4,
+# F8_E8M0 or float32): FP8 128x128 blocks, or for an I8 weight (two MXFP4 codes a byte) one per 32 weights of a row
+SCALE_SUFFIXES = ("_scale_inv", ".scale")
+
+
+def is_scale_name(name: str) -> bool:
+    """Whether a checkpoint name is another tensor's scale (read with its weight, never placed itself)."""
+    return name.endswith(SCALE_SUFFIXES)
+
+
+def scale_names(name: str) -> tuple[str, ...]:
+    """Where the scale of weight `name` may be stored."""
+    return (name + "_scale_inv",) + ((name[:-len("weight")] + "scale",) if name.endswith(".weight") else ())
+
+
+def check_fp8_scale(name: str, weight_shape, scale_shape, scale_name: str | None = None) -> None:
     grid = scale_grid_shape(*weight_shape)
     if tuple(scale_shape) != grid:
-        raise UserError(f"{name}_scale_inv has shape {tuple(scale_shape)}, expected {grid} "
+        raise UserError(f"{scale_name or name + '_scale_inv'} has shape {tuple(scale_shape)}, expected {grid} "
                         f"for a {tuple(weight_shape)} weight with 128x128 blocks")
 
 
@@ -319,19 +334,32 @@ class TensorReader:
             buf = bufs[key] = torch.empty(nbytes, dtype=torch.uint8)
         return buf[:nbytes]
 
+    def scale_of(self, name: str) -> str | None:
+        """The name of weight `name`'s scale in this checkpoint (SCALE_SUFFIXES), or None."""
+        return next((s for s in scale_names(name) if self.has(s)), None)
+
     def weight(self, name: str, shape: tuple[int, ...] | None = None,
                scratch=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, its FP8 block scale_inv in fp32, or None for a float weight), shapes checked. `scratch`: read
-        the weight into this thread's buffer of that key (see `get`); valid until the next read with that key."""
+        """(weight, its scale in fp32, or None for a float weight), shapes checked: an FP8 weight's block scale
+        grid, or an I8 weight's (two MXFP4 codes a byte, DeepSeek-V4's experts) scales per 32 weights [N, K/32]
+        (ue8m0 decoded exactly). `scratch`: read the weight into this thread's buffer of that key (see `get`);
+        valid until the next read with that key."""
         w = self.get(name, scratch)
         if shape is not None and tuple(w.shape) != tuple(shape):
             raise UserError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)} from config.json")
-        if w.dtype != torch.float8_e4m3fn:
+        if w.dtype not in (torch.float8_e4m3fn, torch.int8):
             return w, None
-        if not self.has(name + "_scale_inv"):
-            raise UserError(f"FP8 tensor {name} has no {name}_scale_inv")
-        s = self.get(name + "_scale_inv")
-        check_fp8_scale(name, w.shape, s.shape)
+        scale = self.scale_of(name)
+        if scale is None:
+            if w.dtype == torch.int8:
+                return w, None
+            raise UserError(f"FP8 tensor {name} has no {' or '.join(scale_names(name))}")
+        s = self.get(scale)
+        if w.dtype == torch.float8_e4m3fn:
+            check_fp8_scale(name, w.shape, s.shape, scale)
+        elif w.dim() != 2 or tuple(s.shape) != (w.shape[0], w.shape[1] * 2 // 32):
+            raise UserError(f"{scale} has shape {tuple(s.shape)}, expected {(w.shape[0], w.shape[1] * 2 // 32)} for "
+                            f"MXFP4 codes {tuple(w.shape)} (one scale per 32 weights)")
         return w, s.float()
 
     def weights(self, names, ahead_bytes: int | None = None):
@@ -367,11 +395,12 @@ class TensorReader:
                     future.cancel()
 
     def nbytes(self, name: str) -> int:
-        """Bytes `weight(name)` reads (its scale_inv included)."""
+        """Bytes `weight(name)` reads (its scale included)."""
         _, span, _ = self._locate(name)
         n = span.nbytes
-        if span.dtype == "F8_E4M3" and self.has(name + "_scale_inv"):
-            n += self._locate(name + "_scale_inv")[1].nbytes
+        scale = self.scale_of(name) if span.dtype in ("F8_E4M3", "I8") else None
+        if scale is not None:
+            n += self._locate(scale)[1].nbytes
         return n
 
     def close(self) -> None:

@@ -18,7 +18,8 @@ from torch import nn
 from .config import ModelArgs
 from .dense import PackedLinear, check_dense, packable
 from .errors import UserError
-from .hf_checkpoint import FP32_MODULE_SUFFIXES, CheckpointIndex, TensorReader, checkpoint_name, map_name, mtp_status
+from .hf_checkpoint import (FP32_MODULE_SUFFIXES, CheckpointIndex, TensorReader, checkpoint_name, is_scale_name,
+                            map_name, mtp_status)
 from .model import Transformer
 from .quant.fp8 import fp8_block_dequant
 from .utils import format_bytes
@@ -53,7 +54,8 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 class Loader:
-    """Fills a meta-device Transformer from an HF safetensors directory."""
+    """Fills a meta-device Transformer from an HF safetensors directory. A family with a network and checkpoint
+    names of its own overrides the hooks below (DeepSeek-V4: dsv3lite/v4/loader.py)."""
 
     def __init__(self, root: str | Path, device: torch.device, dtype: torch.dtype, progress: bool = True,
                  log=None, dense: str | None = None):
@@ -64,6 +66,28 @@ class Loader:
         self.dense = dense
         self.packed = dict(count=0, kept=0, before=0, after=0, seconds=0.0)   # what packing did (the log line)
 
+    # --- the family's hooks ---------------------------------------------------------------------------------
+    def build(self, args, with_mtp: bool) -> nn.Module:
+        """The network, built on the meta device by the caller."""
+        return Transformer(args, with_mtp=with_mtp)
+
+    def mtp_status(self, index: CheckpointIndex, args) -> tuple[bool, str | None]:
+        return mtp_status(index, args)
+
+    def map_name(self, name: str, args):
+        return map_name(name, args)
+
+    def checkpoint_name(self, module_name: str, args, expert="<e>") -> str:
+        return checkpoint_name(module_name, args, expert)
+
+    def tensor_dtype(self, module_name: str) -> torch.dtype:
+        """The dtype a module tensor is kept in."""
+        return torch.float32 if module_name.endswith(FP32_MODULE_SUFFIXES) else self.dtype
+
+    def dequant(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """A quantized weight with its scale (TensorReader.weight) -> floats."""
+        return dequant_fp8(weight, scale)
+
     def load(self, args: ModelArgs | None = None, expert_provider=None, mtp: bool = True) -> Transformer:
         """expert_provider(layer_id) -> module: when given, routed experts come from it (a quantized store,
         the offloading runtime) and the checkpoint's per-expert tensors are not read. mtp=False leaves the MTP
@@ -71,13 +95,13 @@ class Loader:
         check_dense(self.dense, torch.device(self.device))
         args = args or ModelArgs.from_dir(self.root)
         index = CheckpointIndex.open(self.root)
-        with_mtp, notice = mtp_status(index, args) if mtp else (False, None)
+        with_mtp, notice = self.mtp_status(index, args) if mtp else (False, None)
         self.skip_mtp = not with_mtp
         for note in (notice, index.skipped_note()):
             if note:
                 self.log(note)
         with torch.device("meta"):
-            model = Transformer(args, with_mtp=with_mtp)
+            model = self.build(args, with_mtp)
         self.external_experts = expert_provider is not None
         if expert_provider is not None:
             for moe in model.moe_modules():
@@ -108,9 +132,9 @@ class Loader:
 
         wanted = []
         for name in names:
-            if name.endswith("_scale_inv"):
+            if is_scale_name(name):
                 continue
-            target = map_name(name, args)
+            target = self.map_name(name, args)
             if target is None or (target.expert is not None and self.external_experts) or (
                     self.skip_mtp and target.name.startswith("mtp.")):
                 ignored.append(name)
@@ -128,7 +152,7 @@ class Loader:
                 continue
             if scale is not None:     # on a GPU the FP8 bytes cross and are dequantized there
                 on = self.device if self.device.type == "cuda" else weight.device
-                tensor = dequant_fp8(weight.to(on), scale.to(on))
+                tensor = self.dequant(weight.to(on), scale.to(on))
             else:
                 tensor = weight
             self._place(model, args, name, shard, target, tensor, expected, filled, experts_seen)
@@ -161,13 +185,13 @@ class Loader:
 
     def _place_packed(self, model, args, name, shard, target, weight, scale, expected, filled):
         self._checked_shape(args, name, shard, target, weight, expected)
-        dtype = torch.float32 if target.name.endswith(FP32_MODULE_SUFFIXES) else self.dtype
+        dtype = self.tensor_dtype(target.name)
         self._pack_into(model, target.name.rpartition(".")[0], weight, scale, dtype)
         filled.add(target.name)
 
     def _place(self, model, args, name, shard, target, tensor, expected, filled, experts_seen):
         full_shape = self._checked_shape(args, name, shard, target, tensor, expected)
-        dtype = torch.float32 if target.name.endswith(FP32_MODULE_SUFFIXES) else self.dtype
+        dtype = self.tensor_dtype(target.name)
         if target.expert is None:
             set_module_tensor(model, target.name, tensor.to(device=self.device, dtype=dtype))
             filled.add(target.name)
@@ -195,7 +219,7 @@ class Loader:
                 missing = set(range(shape[0])) - experts_seen[name]
                 if missing:
                     e = min(missing)
-                    raise UserError(f"checkpoint is missing tensor {checkpoint_name(name, args, e)} "
+                    raise UserError(f"checkpoint is missing tensor {self.checkpoint_name(name, args, e)} "
                                     f"(expected shape {shape[1:]})")
                 continue
             if name not in filled:
@@ -203,7 +227,8 @@ class Loader:
                     # V3-style router without a stored correction bias: zero, as transformers initialises it
                     set_module_tensor(model, name, torch.zeros(shape, dtype=torch.float32, device=self.device))
                     continue
-                raise UserError(f"checkpoint is missing tensor {checkpoint_name(name, args)} (expected shape {shape})")
+                raise UserError(f"checkpoint is missing tensor {self.checkpoint_name(name, args)} "
+                                f"(expected shape {shape})")
 
 
 def load_model(root: str | Path, device: torch.device, dtype: torch.dtype, progress: bool = True,

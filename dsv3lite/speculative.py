@@ -100,10 +100,10 @@ class MTPTimer:
 class Speculator:
     """MTP drafting and verification for one Engine (batch 1). `step` is one decode step, speculative or plain."""
 
-    def __init__(self, model, device: torch.device, enabled: bool = True, num_draft_tokens: int = 1,
-                 adaptive: bool = True, log=None):
-        self.model, self.device = model, device
-        self.layer = model.args.num_hidden_layers          # the MTP layer's index in the latent cache
+    def __init__(self, model, executor, enabled: bool = True, num_draft_tokens: int = 1, adaptive: bool = True,
+                 log=None):
+        self.model, self.executor = model, executor        # the executor runs the MTP block (executors/)
+        self.layer = model.args.num_hidden_layers          # the MTP block's index in the model's cache
         self.available = model.mtp is not None
         self.log = log or (lambda msg: None)
         self.enabled = bool(enabled) and self.available
@@ -167,33 +167,33 @@ class Speculator:
                 **({} if self.enabled else {"reason": self.off_reason})}
 
     # --- the MTP layer ------------------------------------------------------------------------
-    def catch_up(self, cache: torch.Tensor, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
+    def catch_up(self, cache, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
         """Run the MTP layer on accepted pairs (h_i, t_{i+1}) at positions start..; keep the last output."""
         if not self.enabled:
             return
         assert start == self.valid, "MTP cache out of step with the main cache"
         mtp_cache = cache[self.layer]
+        mtp_cache.truncate(start)              # drafts' speculative positions are not part of its state
         out = None
         for i in range(0, len(next_tokens), PREFILL_CHUNK):
-            toks = torch.tensor([next_tokens[i:i + PREFILL_CHUNK]], dtype=torch.long, device=self.device)
-            h = hidden[i:i + PREFILL_CHUNK][None]
-            out = self.model.mtp_hidden(h, toks, start + i, mtp_cache, absorb=toks.shape[1] <= ABSORB_MAX_TOKENS)
+            ids = next_tokens[i:i + PREFILL_CHUNK]
+            out = self.executor.mtp_hidden(hidden[i:i + PREFILL_CHUNK][None], ids, start + i, mtp_cache,
+                                           absorb=len(ids) <= ABSORB_MAX_TOKENS)
         self.valid = start + len(next_tokens)
         self.out = out[0, -1]
 
-    def draft(self, cache: torch.Tensor, k: int, params: SamplingParams, gen) -> tuple[list[int], list[torch.Tensor]]:
+    def draft(self, cache, k: int, params: SamplingParams, gen) -> tuple[list[int], list[torch.Tensor]]:
         """k draft tokens from the MTP head (its own output fed back for drafts 2..k), with their q vectors."""
         mtp_cache = cache[self.layer]
         drafts, qs = [], []
         out = self.out
         for j in range(k):
-            q = sampling_probs(self.model.head(out), params)
+            q = sampling_probs(self.model.mtp_logits(out), params)
             d = sample(q, gen)
             drafts.append(d)
             qs.append(q)
-            if j + 1 < k:       # speculative MTP positions; catch-up overwrites them
-                toks = torch.tensor([[d]], dtype=torch.long, device=self.device)
-                out = self.model.mtp_hidden(out[None, None], toks, self.valid + j, mtp_cache, absorb=True)[0, -1]
+            if j + 1 < k:       # speculative MTP positions; catch-up truncates them away
+                out = self.executor.mtp_hidden(out[None, None], [d], self.valid + j, mtp_cache, absorb=True)[0, -1]
         return drafts, qs
 
     # --- one decode step ------------------------------------------------------------------------
@@ -209,6 +209,7 @@ class Speculator:
             h, logits = forward([token] + drafts, m)
             a, nxt = accept_drafts([sampling_probs(l, params) for l in logits], drafts, qs, gen)
             kept, new = [token] + drafts[:a], drafts[:a] + [nxt]
+            cache.truncate(m + len(kept), main=True)      # the rejected drafts' state, rolled back
             self.catch_up(cache, h[:a + 1], new, m)
             stats.drafted += k
             stats.accepted += a

@@ -537,7 +537,7 @@ class HostReads:
         self.mode = Mode
 
     def capture(self, fn):
-        """A stand-in capture for dsv3lite.graphs (static outputs, a replay that rewrites them), under the probe."""
+        """A stand-in capture for dsv3lite.executors.graphs (static outputs, a replay that rewrites them), under the probe."""
         with self.mode():
             static = {k: v.clone() for k, v in fn().items()}
 

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import cpu_abi
+
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 # -ffp-contract=off: the kernels' only fused multiply-adds are the written ones (their twins' rounding steps);
 # -fno-trapping-math: float compares and selects may be vectorized (no value changes: exceptions are never enabled)
@@ -28,7 +30,6 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping
 # the int4 quantizer also has an AVX-512 build of its code, run where the CPU has AVX-512 (the same bits); a compiler
 # that refuses its target attribute gets this define and builds the AVX2 code alone
 NO_AVX512 = ("-DDSV3LITE_NO_AVX512",)
-ABI = 2                            # dsv3_cpu_abi() of a library these bindings fit
 
 _c_i64, _c_int, _c_ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -94,9 +95,11 @@ def _build(compiler: str, source: bytes, out: Path) -> None:
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.dsv3_cpu_abi.restype = _c_int
     lib.dsv3_moe.restype = _c_int
     lib.dsv3_moe.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int, _c_int]
+    lib.dsv3_moe_mxfp4.restype = _c_int
+    lib.dsv3_moe_mxfp4.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int,
+                                   _c_int, ctypes.c_float, _c_int]
     lib.dsv3_linear.restype = _c_int
     lib.dsv3_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int]
     lib.dsv3_attention.restype = _c_int
@@ -132,9 +135,8 @@ def _load() -> ctypes.CDLL | str:
         if not path.exists():
             _build(compiler, source, path)
         lib = _bind(ctypes.CDLL(str(path)))
-        if lib.dsv3_cpu_abi() != ABI:
-            return f"{path} has ABI {lib.dsv3_cpu_abi()}, expected {ABI}"
-        return lib
+        why = cpu_abi.mismatch(lib)          # the descriptors' layouts and the format codes, both sides
+        return f"{path} does not fit this package: {why}" if why else lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"building them failed ({e})"
 

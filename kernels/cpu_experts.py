@@ -9,11 +9,14 @@ is none, its twin `cpu_experts_ref`; both compute the same math, which differs f
   scale amax / 127, round half to even) and multiplied with the codes in integers: s * xs * (sum q xq - z sum xq)
   (int8 weights have no zero point);
 - fp8: each 128x128 block's scale multiplies the block's partial dot in fp32 instead of each weight being
-  rounded to bf16 after scaling (bf16(fp32(q) * s)): the weights differ by at most 2^-9 relative.
+  rounded to bf16 after scaling (bf16(fp32(q) * s)): the weights differ by at most 2^-9 relative;
+- mxfp4 (exact weights): activations int8 per 32-block (as int4's, MXFP4_ACT "int8") or fp32 ("fp32"); its kernel
+  also clamps the SwiGLU at `limit` (DeepSeek-V4's swiglu_limit), which the other formats' kernel lacks (with a
+  limit they run the twin).
 bf16 weights are used as they are. Each token's result is computed the same way whatever else is in the call
 (decode, MTP verification, prefill), in fp32, and the weighted sum adds each product in ascending expert id.
-Formats: bf16, fp8, int8, int4 (group 64 or 128, or 32 with an even number of groups per row); nf4 stays on
-bitsandbytes.
+Formats: bf16, fp8, int8, int4 (group 64 or 128, or 32 with an even number of groups per row), mxfp4; nf4 stays
+on bitsandbytes.
 """
 from __future__ import annotations
 
@@ -23,19 +26,27 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_build
+from ..layers import swiglu_act
+from ..quant.table import CPU_F32, FORMAT_TABLE
 
-# Nothing from quant/ is imported here (quant/layout.py dispatches to this module): a layout is any object with
-# quant.layout.BlobLayout's fields and `view`.
-FMT_CODES = {"bf16": 0, "fp8": 1, "int4": 2, "int8": 3}
+# Nothing of quant/ but its table is imported here (quant/layout.py dispatches to this module): a layout is any
+# object with quant.layout.BlobLayout's fields and `view`.
+MXFP4_ACT = "int8"                    # the mxfp4 kernel's activations: "int8" (per 32-block) or "fp32"
+_MXFP4_ACTS = {"int8": 0, "fp32": 1}
 MATRICES = ("gate", "up", "down")     # blob order (quant.layout.MATRICES)
 FP8_BLOCK = 128                       # edge of an fp8 scale block (quant.fp8.BLOCK)
+MXFP4_BLOCK = 32                      # weights per mxfp4 scale (quant.mxfp4.BLOCK)
 MAX_GROUPS = 1024                     # groups (int4) or 128-blocks (fp8) per weight row the kernel holds
 
 
-def supports(layout) -> bool:
-    """Whether blobs of `layout` have a CPU kernel (else their format's own expert_forward runs)."""
-    if layout.format not in FMT_CODES:
+def supports(layout, limit: float | None = None) -> bool:
+    """Whether blobs of `layout` have a CPU kernel (else their format's own expert_forward runs); with a SwiGLU
+    clamp `limit`, one that clamps (mxfp4's)."""
+    entry = FORMAT_TABLE.get(layout.format)
+    if entry is None or entry.cpu is None or (limit is not None and layout.format != "mxfp4"):
         return False
+    if layout.format == "mxfp4":
+        return True
     g = layout.group_size or FP8_BLOCK
     if max(layout.inter, layout.hidden) > MAX_GROUPS * g:
         return False
@@ -47,23 +58,24 @@ def supports(layout) -> bool:
     return True
 
 
-def available(layout) -> bool:
-    """Whether blobs of `layout` run through the compiled kernel here (a library, and a kernel for the layout)."""
-    return supports(layout) and cpu_build.library() is not None
+def available(layout, limit: float | None = None) -> bool:
+    """Whether blobs of `layout` run through the compiled kernel here (a library, and a kernel: `supports`)."""
+    return supports(layout, limit) and cpu_build.library() is not None
 
 
 def layout_desc(layout) -> torch.Tensor:
     """int64 [13] the kernel reads: format, group, inter, hidden, then (weight, scale, zero) offsets per matrix."""
     desc = getattr(layout, "_cpu_desc", None)
     if desc is None:
-        offs = [layout.components[f"{m}.{p}"].offset if p else -1 for m in MATRICES for p in _PARTS[layout.format]]
-        desc = torch.tensor([FMT_CODES[layout.format], layout.group_size or FP8_BLOCK, layout.inter, layout.hidden,
-                             *offs], dtype=torch.int64)
+        entry = FORMAT_TABLE[layout.format]
+        offs = [layout.components[f"{m}.{p}"].offset if p else -1 for m in MATRICES for p in entry.parts]
+        desc = torch.tensor([entry.cpu, layout.group_size or FP8_BLOCK, layout.inter, layout.hidden, *offs],
+                            dtype=torch.int64)
         layout._cpu_desc = desc
     return desc
 
 
-F32 = 4                               # the kernel's plain-fp32 weight format (dense experts, dense linears)
+F32 = CPU_F32                         # the kernel's plain-fp32 weight format (dense experts, dense linears)
 
 
 def dense_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -99,7 +111,8 @@ def blob_pointers(blobs, n_experts: int, layout) -> torch.Tensor:
 
 def cpu_experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                         blobs: torch.Tensor | Sequence | Mapping, layout, *, ptrs: torch.Tensor | None = None,
-                        per_pair: bool = False, out: torch.Tensor | None = None, threads: int = 0) -> torch.Tensor:
+                        per_pair: bool = False, out: torch.Tensor | None = None, threads: int = 0,
+                        limit: float | None = None, act: str | None = None) -> torch.Tensor:
     """Routed experts of one layer on the CPU.
 
     x [T, D], ids [T, K] (expert ids), weights [T, K] fp32. blobs: the layer's uint8 [E, blob_bytes] pool (row e =
@@ -108,13 +121,15 @@ def cpu_experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     often with the same blobs. per_pair False: [T, D], the weighted sum in ascending expert id. per_pair True:
     [T, K, D], the unweighted output of each computed (t, k) pair at its place, zeros elsewhere (the fused GPU
     kernel's external outputs). out: an fp32 buffer of that shape to fill (no allocation). threads: at most this
-    many (0: torch's intra-op setting). Returns x.dtype (fp32 when out is given).
+    many (0: torch's intra-op setting). limit: clamp the SwiGLU (swiglu_act). act: the mxfp4 kernel's
+    activations (default MXFP4_ACT). Returns x.dtype (fp32 when out is given).
     """
     t, k = ids.shape
     if x.dtype != torch.float32 and not per_pair and out is None:
         # 16-bit activations: each weighted output rounded to x.dtype and added in x.dtype, in ascending expert id,
         # as model.combine_experts does (so every provider gives the same bits)
-        y = cpu_experts_forward(x, ids, weights, blobs, layout, ptrs=ptrs, per_pair=True, threads=threads)
+        y = cpu_experts_forward(x, ids, weights, blobs, layout, ptrs=ptrs, per_pair=True, threads=threads,
+                                limit=limit, act=act)
         order = ids.argsort(dim=1, stable=True)
         rows = torch.arange(t)[:, None]
         y, w = y[rows, order], weights[rows, order]                     # [T, K, D], [T, K] ascending ids
@@ -123,8 +138,9 @@ def cpu_experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
             acc = acc + (y[:, j] * w[:, j, None]).to(x.dtype)
         return acc
     lib = cpu_build.library()
-    if lib is None or not supports(layout):
-        y = cpu_experts_ref(x, ids, weights, blobs, layout, per_pair=per_pair)
+    act = act or MXFP4_ACT
+    if lib is None or not supports(layout, limit):
+        y = cpu_experts_ref(x, ids, weights, blobs, layout, per_pair=per_pair, limit=limit, act=act)
         if out is not None:
             out.copy_(y)
             return out
@@ -144,8 +160,13 @@ def cpu_experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
         f"out must be contiguous fp32 {shape}, got {out.dtype} {tuple(out.shape)}"
     assert x.shape[1] == layout.hidden and weights.shape == ids.shape, \
         f"x [T, {layout.hidden}] and weights like ids [T, K] expected"
-    rc = lib.dsv3_moe(xf.data_ptr(), t, ids.data_ptr(), weights.data_ptr(), k, ptrs.data_ptr(), ptrs.numel(),
-                      layout_desc(layout).data_ptr(), out.data_ptr(), int(per_pair), int(threads))
+    if layout.format == "mxfp4":
+        rc = lib.dsv3_moe_mxfp4(xf.data_ptr(), t, ids.data_ptr(), weights.data_ptr(), k, ptrs.data_ptr(),
+                                ptrs.numel(), layout_desc(layout).data_ptr(), out.data_ptr(), int(per_pair),
+                                int(threads), float("inf") if limit is None else float(limit), _MXFP4_ACTS[act])
+    else:
+        rc = lib.dsv3_moe(xf.data_ptr(), t, ids.data_ptr(), weights.data_ptr(), k, ptrs.data_ptr(), ptrs.numel(),
+                          layout_desc(layout).data_ptr(), out.data_ptr(), int(per_pair), int(threads))
     if rc != 0:
         raise ValueError(f"CPU expert kernel: {'expert id out of range' if rc == -1 else f'error {rc}'}")
     return out if given or x.dtype == torch.float32 else out.to(x.dtype)
@@ -154,10 +175,11 @@ def cpu_experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
 _ONE_EXPERT: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # n tokens -> (ids zeros [n, 1], weights ones)
 
 
-def expert_forward_cpu(blob: torch.Tensor, x: torch.Tensor, layout) -> torch.Tensor | None:
-    """One expert on x [N, D] (CPU): down(silu(gate x) * up x) through the kernel, or None where it cannot run (no
-    library, no kernel for this layout) and the caller's own path should. Returns x.dtype."""
-    if blob.device.type != "cpu" or not blob.is_contiguous() or not available(layout):
+def expert_forward_cpu(blob: torch.Tensor, x: torch.Tensor, layout,
+                       limit: float | None = None) -> torch.Tensor | None:
+    """One expert on x [N, D] (CPU): down(silu(gate x) * up x) through the kernel (limit: clamped), or None where it
+    cannot run (no library, no kernel for this layout and limit) and the caller's own path should. Returns x.dtype."""
+    if blob.device.type != "cpu" or not blob.is_contiguous() or not available(layout, limit):
         return None
     n = x.shape[0]
     fixed = _ONE_EXPERT.get(n)
@@ -166,7 +188,7 @@ def expert_forward_cpu(blob: torch.Tensor, x: torch.Tensor, layout) -> torch.Ten
         if n <= 64:
             _ONE_EXPERT[n] = fixed
     ptrs = torch.tensor([blob.data_ptr()], dtype=torch.int64)
-    return cpu_experts_forward(x, fixed[0], fixed[1], blob[None], layout, ptrs=ptrs)   # y * 1.0 is y: exact
+    return cpu_experts_forward(x, fixed[0], fixed[1], blob[None], layout, ptrs=ptrs, limit=limit)   # y * 1.0: exact
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,9 +210,18 @@ def quantize_activation(x: torch.Tensor, group: int) -> torch.Tensor:
 def matrix_weights_ref(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
                        n: int, k: int, group: int | None) -> torch.Tensor:
     """One packed matrix [n, k] in fp32 as the kernels apply it: bf16 as is, fp8 codes times their block scale (no
-    bf16 rounding), int4 (q - z) * s, int8 q * s (per group along k)."""
+    bf16 rounding), int4 (q - z) * s, int8 q * s (per group along k), mxfp4 e2m1 times 2^(s - 127) (exact)."""
     if fmt == "bf16":
         return weight.float()
+    if fmt == "mxfp4":                                 # weight: codes [n, kp/2], scale: ue8m0 bytes [n, kp/32]
+        b = weight.view(torch.uint8).long()
+        codes = torch.stack((b & 0xF, b >> 4), dim=-1).view(n, -1)         # the low nibble is the even k
+        e, m = (codes >> 1) & 3, (codes & 1).float()                      # e2m1 from its bits: s e1 e0 m
+        mag = torch.where(e == 0, m / 2, torch.ldexp(1 + m / 2, e - 1))
+        w = torch.where(codes >= 8, -mag, mag).view(n, -1, MXFP4_BLOCK)
+        s = scale.view(torch.uint8)
+        s = torch.where(s == 255, torch.nan, torch.ldexp(torch.ones(s.shape), s.long() - 127))
+        return (w * s[..., None]).view(n, -1)[:, :k]
     if fmt == "fp8":                                   # scale [ceil(n/128), ceil(k/128)] -> per element
         s = scale.repeat_interleave(FP8_BLOCK, dim=0)[:n].repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
         return weight.float() * s
@@ -203,32 +234,30 @@ def matrix_weights_ref(fmt: str, weight: torch.Tensor, scale: torch.Tensor | Non
     raise ValueError(f"no CPU kernel for {fmt} weights")
 
 
-_PARTS = {"bf16": ("weight", None, None), "fp8": ("weight", "scale", None), "int4": ("qweight", "scales", "zeros"),
-          "int8": ("weight", "scale", None)}
-
-
 def expert_weights_ref(blob: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gate, up, down) of one blob in fp32 as the kernel applies them (`matrix_weights_ref`)."""
-    if layout.format not in _PARTS:
+    entry = FORMAT_TABLE.get(layout.format)
+    if entry is None or entry.cpu is None:
         raise ValueError(f"no CPU kernel for {layout.format} experts")
     out = []
     for m in MATRICES:
-        parts = [layout.view(blob, f"{m}.{p}") if p else None for p in _PARTS[layout.format]]
+        parts = [layout.view(blob, f"{m}.{p}") if p else None for p in entry.parts]
         out.append(matrix_weights_ref(layout.format, *parts, *layout.matrix_shape(m), layout.group_size))
     return tuple(out)
 
 
-def expert_ref(blob: torch.Tensor, xs: torch.Tensor, layout) -> torch.Tensor:
-    """One expert on xs [N, D] fp32, as the kernel computes it."""
+def expert_ref(blob: torch.Tensor, xs: torch.Tensor, layout, limit: float | None = None,
+               act: str | None = None) -> torch.Tensor:
+    """One expert on xs [N, D] fp32, as the kernel computes it (limit, act: see cpu_experts_forward)."""
     gate, up, down = expert_weights_ref(blob, layout)
-    act = (lambda v: quantize_activation(v, layout.group_size)) if layout.format in ("int4", "int8") else (lambda v: v)
-    xq = act(xs)
-    h = F.silu(F.linear(xq, gate)) * F.linear(xq, up)
-    return F.linear(act(h), down)
+    quantized = layout.format in ("int4", "int8") or (layout.format == "mxfp4" and (act or MXFP4_ACT) == "int8")
+    prep = (lambda v: quantize_activation(v, layout.group_size)) if quantized else (lambda v: v)
+    xq = prep(xs)
+    return F.linear(prep(swiglu_act(F.linear(xq, gate), F.linear(xq, up), limit)), down)
 
 
 def cpu_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, blobs, layout, *,
-                    per_pair: bool = False) -> torch.Tensor:
+                    per_pair: bool = False, limit: float | None = None, act: str | None = None) -> torch.Tensor:
     """Twin of cpu_experts_forward (same arguments, same results up to fp32 summation order)."""
     t, k = ids.shape
     xf = x.float()
@@ -242,7 +271,7 @@ def cpu_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, b
             continue
         pairs = [(i, j) for i, row in enumerate(rows) for j, v in enumerate(row) if v == e]
         tok = torch.tensor([i for i, _ in pairs])
-        y = expert_ref(blob, xf[tok], layout)
+        y = expert_ref(blob, xf[tok], layout, limit, act)
         for n, (i, j) in enumerate(pairs):
             if per_pair:
                 out[i, j] = y[n]

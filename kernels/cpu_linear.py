@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_build
+from ..quant.table import cpu_code
 from .cpu_experts import matrix_weights_ref, quantize_activation
 
-FMT_CODES = {"bf16": 0, "fp8": 1, "int4": 2, "int8": 3}
 GROUP = 128                               # int4 / int8 group along K
 # From this many rows of x, a bf16 weight is widened to fp32 a block of rows at a time for torch's matmul: the row
 # kernel's fp32 multiply-adds are compute-bound past a few tokens (V3's wo, 2 threads: 262 against 205 ms at 64
@@ -41,7 +41,7 @@ def linear_forward(x: torch.Tensor, fmt: str, n: int, weight: torch.Tensor, scal
     if out is None:
         out = torch.empty(x.shape[0], n)
     assert out.shape == (x.shape[0], n) and out.dtype == torch.float32 and out.is_contiguous()
-    rc = lib.dsv3_linear(xf.data_ptr(), x.shape[0], x.shape[1], FMT_CODES[fmt], GROUP, n, weight.data_ptr(),
+    rc = lib.dsv3_linear(xf.data_ptr(), x.shape[0], x.shape[1], cpu_code(fmt), GROUP, n, weight.data_ptr(),
                          None if scale is None else scale.data_ptr(), None if zero is None else zero.data_ptr(),
                          out.data_ptr(), int(threads))
     if rc != 0:

@@ -30,6 +30,7 @@ from .quant_matmul import (FMT_CODES, FMT_FP8, FMT_FP8_BYTES, FMT_INT4, _X_DTYPE
                            _k_loop, _scale_rows, dot_precision, fp8_code, fp8_weight_view, launch_config, num_tiles,
                            plan_blocks)
 from ..quant.layout import BlobLayout, MATRICES
+from ..quant.table import FORMAT_TABLE
 
 SUM_BLOCK = 256             # columns of y a program of the final sum writes
 
@@ -191,14 +192,14 @@ def _moe_sum_kernel(
 
 def _pool_views(pool: torch.Tensor, layout: BlobLayout, fmt: int):
     """(weight pool view, scale pool view, {component: element offset}, {matrix: (weight row, scale row stride)})."""
-    if layout.format == "int4":
-        wview, sview, wpart, sparts = pool, pool.view(torch.float16), "qweight", ("scales", "zeros")
-    elif layout.format == "fp8":
-        wview, sview, wpart, sparts = fp8_weight_view(pool, fmt), pool.view(torch.float32), "weight", ("scale",)
-    elif layout.format == "bf16":
-        wview, sview, wpart, sparts = pool.view(torch.bfloat16), pool.view(torch.bfloat16), "weight", ()
-    else:
+    entry = FORMAT_TABLE.get(layout.format)
+    if entry is None or entry.triton is None:
         raise ValueError(f"fused_moe has no kernel for {layout.format!r} experts; use fused_moe_ref")
+    wpart, *rest = entry.parts
+    sparts = tuple(p for p in rest if p)
+    # fp8 weights as the GPU's kernels read them (its own type, or bytes), every other weight as the table says
+    wview = fp8_weight_view(pool, fmt) if fmt in (FMT_FP8, FMT_FP8_BYTES) else pool.view(getattr(torch, entry.weight_dtype))
+    sview = pool.view(getattr(torch, entry.scale_dtype)) if entry.scale_dtype else wview
     offsets, strides = {}, {}
     for m in MATRICES:
         comp = layout.components[f"{m}.{wpart}"]
@@ -483,7 +484,7 @@ def fused_moe_grouped_ref(x: torch.Tensor, expert_ids: torch.Tensor, weights: to
 
 
 # ----------------------------------------------------------------------------------------------
-# PyTorch twin: the CPU path. model.combine_experts over each expert's blob in its pool row, so with every
+# PyTorch twin: the CPU path. moe.combine_experts over each expert's blob in its pool row, so with every
 # expert resident it gives the same bits as BlobExperts (the resident provider).
 # ----------------------------------------------------------------------------------------------
 
@@ -494,7 +495,7 @@ def fused_moe_ref(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tens
     Each expert's weighted output is rounded to x.dtype and added in ascending expert id (`combine_experts`).
     Reads slot_of_expert and the routing on the host (a device sync on CUDA).
     """
-    from ..model import combine_experts           # here, not at the top: model.py may import this module
+    from ..moe import combine_experts           # here, not at the top: keeps the kernels importable alone
     from ..quant.formats import format_for_layout
 
     _check_inputs(x, expert_ids, weights, slot_of_expert, pool, layout, external_out)

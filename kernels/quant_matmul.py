@@ -16,12 +16,15 @@ from . import dispatch, tuning
 from .dispatch import jit as _jit, tl, triton
 from ..quant.fp8 import BLOCK as FP8_BLOCK, fp8_block_dequant, scale_grid_shape
 from ..quant.int4 import int4_dequant, padded_k
+from ..quant.table import FORMAT_TABLE, TRITON_FP8_BYTES
 
 
-# the `FMT` constexpr of every kernel. FMT_FP8_BYTES: fp8 weights read as bytes and decoded with bit arithmetic,
-# for GPUs whose Triton has no fp8e4nv type (compute capability below 8.9)
-FMT_INT4, FMT_FP8, FMT_BF16, FMT_FP8_BYTES = 0, 1, 2, 3
-FMT_CODES = {"int4": FMT_INT4, "fp8": FMT_FP8, "bf16": FMT_BF16}
+# the `FMT` constexpr of every kernel, from the formats' table (quant/table.py). FMT_FP8_BYTES: fp8 weights read as
+# bytes and decoded with bit arithmetic, for GPUs whose Triton has no fp8e4nv type (compute capability below 8.9)
+FMT_CODES = {name: entry.triton for name, entry in FORMAT_TABLE.items() if entry.triton is not None}
+FMT_INT4, FMT_FP8, FMT_BF16, FMT_FP8_BYTES = FMT_CODES["int4"], FMT_CODES["fp8"], FMT_CODES["bf16"], TRITON_FP8_BYTES
+# the kernels' constexpr branches below are written as these literals (Triton reads no Python globals there)
+assert (FMT_INT4, FMT_FP8, FMT_BF16, FMT_FP8_BYTES) == (0, 1, 2, 3), "quant/table.py's Triton codes changed"
 FP8_NATIVE_CAPABILITY = (8, 9)          # Triton's fp8e4nv type: Ada, Hopper and later
 
 

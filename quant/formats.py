@@ -1,23 +1,22 @@
 """Routed-expert storage formats: the registry. A format is one module (a class deriving from
-`layout.ExpertFormat`) plus one line in FORMAT_CLASSES; the CLI's choices come from FORMATS.
+`layout.ExpertFormat`) plus one line in quant/table.py's FORMAT_TABLE (which also holds what the kernels know of
+it); the CLI's choices come from FORMATS.
 """
 from __future__ import annotations
+
+import importlib
 
 from ..errors import UserError
 from .bf16 import Bf16Format
 from .fp8 import Fp8Format
 from .int4 import Int4Format
-from .int8 import Int8Format
 from .layout import ALIGN, BlobLayout, Component, ExpertFormat, swiglu_ref
 from .nf4 import Nf4Format
+from .table import FORMAT_TABLE
 
 FORMAT_CLASSES: dict[str, type[ExpertFormat]] = {
-    "bf16": Bf16Format,
-    "fp8": Fp8Format,
-    "int4": Int4Format,
-    "int8": Int8Format,
-    "nf4": Nf4Format,
-}
+    name: getattr(importlib.import_module(f"{__package__}.{entry.module}"), entry.cls)
+    for name, entry in FORMAT_TABLE.items()}
 FORMATS = tuple(FORMAT_CLASSES)
 
 

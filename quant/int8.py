@@ -39,7 +39,6 @@ class Int8Format(ExpertFormat):
     """Per matrix: `weight` uint8 [N, Kp] (int8 codes) and `scale` float32 [N, Kp/128]."""
     name = "int8"
     group_size = GROUP
-    fused_kernel = False               # no Triton kernel reads it: GPUs dequantize it per expert
 
     def _parts(self, n: int, k: int):
         kp = -(-k // GROUP) * GROUP

@@ -13,6 +13,8 @@ from math import prod
 import torch
 import torch.nn.functional as F
 
+from ..layers import swiglu_act     # the SwiGLU (clamped with a limit) every expert path computes
+
 ALIGN = 256                        # bytes; component offsets and blob sizes are multiples of this
 MATRICES = ("gate", "up", "down")  # blob order; names of components are f"{matrix}.{part}"
 
@@ -52,7 +54,7 @@ class Component:
 @dataclass
 class BlobLayout:
     """Where each component of one expert lives in its blob. Equal for all experts of a model."""
-    format: str                    # "bf16" | "fp8" | "int4" | "nf4"
+    format: str                    # "bf16" | "fp8" | "int4" | "int8" | "nf4" | "mxfp4"
     inter: int                     # I: moe_intermediate_size
     hidden: int                    # D: hidden_size
     group_size: int | None         # int4: group along K; fp8: 128 (block edge); nf4: 64 (block); bf16: None
@@ -128,9 +130,10 @@ class BlobLayout:
             raise ValueError(f"components end at byte {end}, past blob_bytes {self.blob_bytes}")
 
 
-def swiglu_ref(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x) with weights stored [out_features, in_features]; x: [N, D]."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu_ref(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               limit: float | None = None) -> torch.Tensor:
+    """down(silu(gate x) * up x) with weights stored [out_features, in_features]; x: [N, D]. limit: see swiglu_act."""
+    return F.linear(swiglu_act(F.linear(x, gate), F.linear(x, up), limit), down)
 
 
 class ExpertFormat:
@@ -141,8 +144,18 @@ class ExpertFormat:
     """
     name: str = ""
     group_size: int | None = None
-    fused_kernel: bool = True          # the Triton fused MoE kernel reads this format's blobs from the slot pool
     fp8_passthrough: bool = False      # packs a DeepSeek FP8 source's bytes and block scales as they are
+
+    @property
+    def kernels(self):
+        """What the kernels know of this format (quant/table.py's entry)."""
+        from .table import FORMAT_TABLE
+        return FORMAT_TABLE[self.name]
+
+    @property
+    def fused_kernel(self) -> bool:
+        """Whether the Triton fused MoE kernel reads this format's blobs from the slot pool."""
+        return self.kernels.triton is not None
 
     @classmethod
     def create(cls, group_size: int | None = None) -> "ExpertFormat":
@@ -235,23 +248,25 @@ class ExpertFormat:
             out.append(self._dequantize(views, layout.matrix_shape(m), dtype))
         return tuple(out)
 
-    def expert_forward_ref(self, blob: torch.Tensor, x: torch.Tensor,
-                           layout: BlobLayout | None = None) -> torch.Tensor:
-        """x [N, D] -> down(silu(gate x) * up x) [N, D] in x.dtype, from weights dequantized to x.dtype."""
+    def expert_forward_ref(self, blob: torch.Tensor, x: torch.Tensor, layout: BlobLayout | None = None,
+                           limit: float | None = None) -> torch.Tensor:
+        """x [N, D] -> down(silu(gate x) * up x) [N, D] in x.dtype, from weights dequantized to x.dtype; limit:
+        the SwiGLU clamp (swiglu_act)."""
         gate, up, down = self.unpack(blob, x.dtype, layout)
-        return swiglu_ref(x, gate, up, down)
+        return swiglu_ref(x, gate, up, down, limit)
 
-    def expert_forward(self, blob: torch.Tensor, x: torch.Tensor, layout: BlobLayout | None = None) -> torch.Tensor:
+    def expert_forward(self, blob: torch.Tensor, x: torch.Tensor, layout: BlobLayout | None = None,
+                       limit: float | None = None) -> torch.Tensor:
         """The fastest path for this format: on CPU the compiled kernel from the packed blob where there is one
         (kernels/cpu_experts.py, its own numerics), else the ref. Formats with a path of their own override this
         (nf4: bitsandbytes)."""
         if x.device.type == "cpu":
             from ..kernels.cpu_experts import expert_forward_cpu
 
-            y = expert_forward_cpu(blob, x, self._resolve(blob, layout))
+            y = expert_forward_cpu(blob, x, self._resolve(blob, layout), limit)
             if y is not None:
                 return y
-        return self.expert_forward_ref(blob, x, layout)
+        return self.expert_forward_ref(blob, x, layout, limit)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(group_size={self.group_size})"

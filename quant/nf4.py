@@ -63,7 +63,6 @@ class Nf4Format(ExpertFormat):
     """Per matrix: `qweight` uint8 [ceil(numel/2)] and `absmax` float32 [ceil(numel/64)]; the matrix shape
     comes from the layout (`BlobLayout.matrix_shape`)."""
     name = "nf4"
-    fused_kernel = False               # computed with bitsandbytes' own kernels
     group_size = BLOCKSIZE
 
     def check_available(self) -> None:
@@ -96,13 +95,16 @@ class Nf4Format(ExpertFormat):
             out.append(bnb.functional.dequantize_4bit(qweight, state).view(shape))
         return tuple(out)
 
-    def expert_forward(self, blob: torch.Tensor, x: torch.Tensor, layout: BlobLayout | None = None) -> torch.Tensor:
-        """SwiGLU through bitsandbytes' matmul_4bit on the packed weights (its own kernels on GPU)."""
+    def expert_forward(self, blob: torch.Tensor, x: torch.Tensor, layout: BlobLayout | None = None,
+                       limit: float | None = None) -> torch.Tensor:
+        """SwiGLU through bitsandbytes' matmul_4bit on the packed weights (its own kernels on GPU); with a clamp
+        `limit` (swiglu_act), the ref."""
         bnb = _bnb()
         layout = self._resolve(blob, layout)
-        if x.device.type == "cpu" and (layout.hidden % BLOCKSIZE or layout.inter % BLOCKSIZE):
+        if limit is not None or (x.device.type == "cpu" and (layout.hidden % BLOCKSIZE or layout.inter % BLOCKSIZE)):
             # bitsandbytes' CPU kernel blocks each row on its own: rows that are not whole blocks need the twin
-            return self.expert_forward_ref(blob, x, layout)
+            # (and bitsandbytes has no clamp)
+            return self.expert_forward_ref(blob, x, layout, limit)
 
         def linear(inp, m):
             state = _quant_state(layout.view(blob, f"{m}.absmax"), layout.matrix_shape(m), x.dtype)

@@ -27,6 +27,7 @@ DTYPES = {
     "F32": torch.float32,
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": torch.float8_e8m0fnu,     # ue8m0 scales (DeepSeek-V4): 2^(byte - 127)
     "U8": torch.uint8,
     "I8": torch.int8,
     "I32": torch.int32,

@@ -1,4 +1,5 @@
-"""The CPU decode step (kernels/cpu_decode.py: a block's attention and its feed-forward, one kernel call each)
+"""The CPU decode step (executors/cpu.py over kernels/cpu_decode.py: a block's attention and its feed-forward, one
+kernel call each)
 against its twin, the eager path, and against transformers; a call of several tokens against single steps; the
 cases it leaves to the eager path; DeepSeek-V3's routing geometry and its real widths."""
 from __future__ import annotations
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 import dsv3lite
+from dsv3lite.cache import LatentCache, Positions
+from dsv3lite.executors.cpu import CpuStep
 from dsv3lite.kernels import cpu_decode
 from dsv3lite.loader import load_model
 from dsv3lite.model import Rotary, as_dtype
@@ -57,11 +60,13 @@ def decode_logits(model, tokens: torch.Tensor, ctx: int = 64) -> tuple[torch.Ten
     -> (logits of the decode steps [steps, V], the cache)."""
     args = model.args
     cache = torch.zeros(len(model.blocks()), 1, ctx, args.cache_dim)
+    step = CpuStep(model, CPU)
     out = []
     with torch.inference_mode():
         model.hidden(tokens[:, :PREFILL], 0, cache[:args.num_hidden_layers])
         for i in range(PREFILL, tokens.shape[1]):
-            out.append(model(tokens[:, i:i + 1], i, cache[:args.num_hidden_layers], absorb=True)[0, -1])
+            h = step.hidden(tokens[0, i:i + 1].tolist(), i, cache[:args.num_hidden_layers], absorb=True)
+            out.append(model.logits(h)[0, -1])
     return torch.stack(out), cache
 
 
@@ -145,11 +150,12 @@ def test_a_call_of_several_tokens_gives_each_token_its_own_steps_bits(engines, l
     caches, hidden = [], []
     for split in ([3], [1, 1, 1]):
         cache = torch.zeros(args.num_hidden_layers, 1, 64, args.cache_dim)
+        step = CpuStep(model, CPU)
         with torch.inference_mode():
             model.hidden(x[:, :PREFILL], 0, cache)
             pos, out = PREFILL, []
             for n in split:
-                out.append(model.hidden(x[:, pos:pos + n], pos, cache, absorb=True)[0])
+                out.append(step.hidden(x[0, pos:pos + n].tolist(), pos, cache, absorb=True)[0])
                 pos += n
         caches.append(cache)
         hidden.append(torch.cat(out))
@@ -242,8 +248,13 @@ def test_a_block_at_deepseek_v3_widths(monkeypatch):
             c = cache.clone()
             with torch.inference_mode():
                 cos, sin = (t[:, None] for t in rotary(100, 1, CPU))
-                a = block.attention(h, 100, cos, sin, c, absorb=True)
-                outs[mode] = (a, block.feed_forward(a), c[:, :101])
+                if mode == "kernel":
+                    a = cpu_decode.attention(block, h, 100, cos, sin, c)
+                    f = cpu_decode.feed_forward(block, a)
+                else:
+                    a = block.attention(h, Positions(100, 1), cos, sin, LatentCache(c, args.latent_dim), absorb=True)
+                    f = block.feed_forward(a)
+                outs[mode] = (a, f, c[:, :101])
     finally:
         torch.set_num_threads(1)
     for got, want in zip(outs["kernel"], outs["eager"]):

@@ -1,4 +1,4 @@
-"""The decode step as CUDA-graph segments (dsv3lite/graphs.py), run here with the stand-in capture: its steps give
+"""The decode step as CUDA-graph segments (dsv3lite/executors/graphs.py), run here with the stand-in capture: its steps give
 the eager decode's hidden states and tokens (resident, blob experts, MTP verification, offloaded, at V3's routing
 geometry), observers see what they see in eager decode, and a replay that differs from the eager ops, or a capture
 that fails, turns graphs off with one line and the step still gives the right answer."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dsv3lite
-from dsv3lite import graphs
-from dsv3lite.graphs import DecodeGraphs, eager_capture
+from dsv3lite.executors import graphs
+from dsv3lite.executors.graphs import DecodeGraphs, eager_capture
 from dsv3lite.testing import HostReads, offload_budget, write_geometry_checkpoint
 
 EAGER_STEP = True                 # the reference step is the eager model path (conftest.py), not the C++ step
@@ -42,8 +42,8 @@ def demo():
 def decode_pair(llm, steps=5):
     """Hidden states of `steps` decode steps after a 4-token prompt, eager and through graphs, and their caches."""
     model = llm.model
-    cache = llm._ensure_cache()
-    main = llm._main_cache()
+    main = llm._ensure_cache()
+    cache = main.tensor
     runner = DecodeGraphs(model, capture=eager_capture)
     tokens = [11, 23, 5, 42] + [7 * i + 3 for i in range(steps)]
     with torch.inference_mode():
@@ -145,11 +145,10 @@ def test_a_wrong_replay_or_a_failed_capture_turns_graphs_off_with_one_line(demo,
 
 def test_graphs_step_aside_where_they_do_not_apply(demo, monkeypatch):
     runner = DecodeGraphs(demo.model, capture=eager_capture)
-    demo._ensure_cache()
-    main = demo._main_cache()
+    main = demo._ensure_cache()
     with torch.inference_mode():
         assert runner.hidden(list(range(5)), 0, main) is None                  # more tokens than a decode step
-        assert runner.hidden([1], main.shape[2], main) is None                 # past the context
+        assert runner.hidden([1], main.capacity, main) is None                 # past the context
     monkeypatch.setenv(graphs.ENV, "0")
     assert not graphs.enabled()
     monkeypatch.setenv(graphs.ENV, "1")
@@ -232,8 +231,8 @@ def test_the_workspace_estimate_covers_what_the_graphs_hold(demo):
 
     demo.graphs = None
     runner = DecodeGraphs(demo.model, capture=eager_capture)
-    cache = demo._ensure_cache()
-    main = demo._main_cache()
+    main = demo._ensure_cache()
+    cache = main.tensor
     with torch.inference_mode():
         for n in (1, 4):
             runner.hidden(list(range(3, 3 + n)), 0, main)
@@ -288,9 +287,10 @@ def test_resident_experts_on_a_gpu_are_blobs_for_the_fused_kernel(v3_dir, monkey
 
 @pytest.mark.parametrize("kernels", ["ref", "triton"])
 def test_the_graphs_attention_at_deepseek_v3_widths(monkeypatch, kernels):
-    """MLA.decode_at (what a graph captures: the position and length on the device, the whole cache read) against
-    the eager absorbed attention on one block at V3's widths (hidden 7168, 128 heads, lora 1536 / 512), at position
+    """MLA with device positions (what a graph captures: the position and length on the device, the whole cache
+    read) against the eager absorbed attention on one block at V3's widths (hidden 7168, 128 heads, lora 1536 / 512), at position
     100 of a 128-row cache: the twin on the CPU, and the Triton decode kernel in the interpreter."""
+    from dsv3lite.cache import LatentCache, Positions
     from dsv3lite.model import Rotary
     from dsv3lite.testing_realwidth import realwidth_moe_block
 
@@ -301,10 +301,11 @@ def test_the_graphs_attention_at_deepseek_v3_widths(monkeypatch, kernels):
     x = block.attn_norm(torch.randn(1, 1, args.hidden_size))
     with torch.inference_mode():
         eager_cache = cache.clone()
-        want = block.attn(x, 100, cos_t[100:101, None], sin_t[100:101, None], eager_cache, absorb=True)
+        want = block.attn(x, Positions(100, 1), cos_t[100:101, None], sin_t[100:101, None],
+                          LatentCache(eager_cache, args.latent_dim), absorb=True)
         positions = torch.tensor([100])
-        got = block.attn.decode_at(x, positions, torch.tensor([101], dtype=torch.int32),
-                                   cos_t.index_select(0, positions)[:, None], sin_t.index_select(0, positions)[:, None],
-                                   cache)
+        got = block.attn(x, Positions.on_device(positions, torch.tensor([101], dtype=torch.int32)),
+                         cos_t.index_select(0, positions)[:, None], sin_t.index_select(0, positions)[:, None],
+                         LatentCache(cache, args.latent_dim), absorb=True)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(cache, eager_cache)                    # the same row written, nothing else touched

@@ -340,7 +340,7 @@ def test_grouped_in_chunks(monkeypatch):
 
 def test_grouped_sum_is_the_offloaded_prefills():
     # the offloaded prefill computes each expert alone (fused_expert) and sums in combine_experts: the same bits
-    from dsv3lite.model import combine_experts
+    from dsv3lite.moe import combine_experts
 
     ex = experts("int4", 128)
     slot_of_expert, pool = ex.scattered_pool(seed=6)

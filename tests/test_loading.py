@@ -52,7 +52,7 @@ def test_no_mtp_loads_no_mtp_layer_and_no_mtp_cache():
     assert n_params(without) < n_params(with_mtp)
     want = [c.token_id for c in with_mtp.generate("ROMEO:", max_tokens=12)]
     assert [c.token_id for c in without.generate("ROMEO:", max_tokens=12)] == want
-    assert without.cache.shape[0] == without.args.num_hidden_layers < with_mtp.cache.shape[0]
+    assert len(without.cache) == without.args.num_hidden_layers < len(with_mtp.cache)
     assert without.stats()["mtp"]["enabled"] is False
 
 

@@ -59,10 +59,11 @@ def test_caches_after_rollback_match_a_run_that_never_drafted(mtp_dir):
     list(never.generate(tokens, max_tokens=1))
     n = len(tokens)
     main = spec.args.num_hidden_layers
-    torch.testing.assert_close(spec.cache[:main, :, :n], never.cache[:main, :, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(spec.cache.tensor[:main, :, :n], never.cache.tensor[:main, :, :n], atol=1e-5, rtol=1e-5)
     valid = min(spec.speculator.valid, never.speculator.valid) - 1           # the last pair depends on the next token
     assert valid > 10
-    torch.testing.assert_close(spec.cache[main, :, :valid], never.cache[main, :, :valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(spec.cache.tensor[main, :, :valid], never.cache.tensor[main, :, :valid], atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_checkpoint_without_mtp_weights_runs_with_mtp_off_and_says_why(v3_dir):

@@ -37,7 +37,7 @@ def test_layer_major_matches_transformers_and_the_chunk_major_cache(long_dir, mo
     llm = load(long_dir)
     llm._ensure_cache()
     logits, hidden, _ = llm._prefill(ids)
-    cache = llm.cache.clone()
+    cache = llm.cache.tensor.clone()
     hf = AutoModelForCausalLM.from_pretrained(long_dir, dtype=torch.float32, experts_implementation="eager").eval()
     expected = hf(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(logits.float(), expected, atol=2e-4, rtol=2e-4)
@@ -46,7 +46,7 @@ def test_layer_major_matches_transformers_and_the_chunk_major_cache(long_dir, mo
     chunked, chunked_hidden, _ = llm._prefill(ids)
     torch.testing.assert_close(logits, chunked, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(hidden, chunked_hidden, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(llm.cache, cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(llm.cache.tensor, cache, atol=1e-5, rtol=1e-5)
 
 
 def test_offloaded_prefill_moves_each_expert_once_per_prompt(long_dir, monkeypatch):

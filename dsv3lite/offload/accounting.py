@@ -38,7 +38,7 @@ def held_bytes(engine) -> dict[str, int]:
     out = {"weights": total(list(model.parameters()) + list(model.buffers()))}
     rt = engine.offload
     out["slots"] = total([rt.cache.pool]) if rt is not None else 0
-    out["kv_cache"] = total([engine.cache]) if engine.cache is not None else 0
+    out["kv_cache"] = total(engine.cache.tensors()) if engine.cache is not None else 0
     return out
 
 
@@ -46,7 +46,7 @@ def held_pointers(engine) -> set[int]:
     """Storage addresses of what `held_bytes` counts and of the host tier (never workspace)."""
     tensors = list(engine.model.parameters()) + list(engine.model.buffers())
     if engine.cache is not None:
-        tensors.append(engine.cache)
+        tensors += engine.cache.tensors()
     if engine.offload is not None:
         tensors += [engine.offload.cache.pool, *engine.offload.host.layers.values(), *engine.offload.host.hot.values()]
     return {_storage(t)[0] for t in tensors}

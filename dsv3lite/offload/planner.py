@@ -14,7 +14,7 @@ from ..errors import UserError
 from ..footprint import footprint, indexer_fp32_params, unpacked_attention_params
 from ..kernels.mla_decode import max_splits
 from ..limits import ABSORB_MAX_TOKENS, LAYER_MAJOR_TOKENS, PREFILL_CHUNK
-from ..model import INDEX_SCORE_ELEMENTS
+from ..attention import INDEX_SCORE_ELEMENTS
 from ..utils import format_bytes
 
 

@@ -3,8 +3,7 @@
 
 The current layer's own router on its own input is exact, so `predict` also returns the experts layer l
 is about to use; the runtime reads everything to the host in one transfer per layer. That norm and routing
-are computed as the layer's feed-forward computes them and handed to it (`Block.prepared`, `MoE.prepared`), so
-they run once per layer.
+come with the observer call (the model's layer event: computed once, for the layer's feed-forward and for this).
 
 One decode step runs the main layers and then, while MTP drafts, the MTP layer: the MTP layer follows the last
 main layer in the chain of "layers ahead" (predicted only while MTP ran in the previous step). Beyond the end of
@@ -99,9 +98,9 @@ class RoutePredictor:
         return gate.pick(choice.view(-1, n_experts)).view(len(blocks), flat.shape[0], -1)
 
     @torch.no_grad()
-    def predict(self, layer: Block, h: torch.Tensor) -> dict[int, tuple[int | str, list[list[int]]]]:
+    def predict(self, layer: Block, h: torch.Tensor, routed=None) -> dict[int, tuple[int | str, list[list[int]]]]:
         """h [B, S, D] after `layer`'s attention -> {moe layer id: (distance or next-token source, per-token expert
-        ids)}.
+        ids)}. routed: the layer's (router input, routing) when already computed (the model's layer event).
 
         Distance 0 is the exact routing of `layer` itself (its ffn input is ffn_norm(h))."""
         targets = self.targets(layer)
@@ -110,15 +109,10 @@ class RoutePredictor:
         flat = h.reshape(-1, h.shape[-1])
         ids = []
         ahead = targets
-        if targets[0][0] == 0 and targets[0][1] is layer:    # exact: the layer's own norm and gate, kept for its ffn
-            ready = layer.prepared
-            if ready is not None and ready[0] is h and layer.ffn.prepared is not None:
-                routed = layer.ffn.prepared[1]               # already computed (a CUDA graph's step: graphs.py)
-            else:
-                normed = layer.ffn_norm(h)
-                routed = layer.ffn.gate(normed.reshape(flat.shape))
-                layer.prepared, layer.ffn.prepared = (h, normed), (normed, routed)
-            ids.append(routed[1])
+        if targets[0][0] == 0 and targets[0][1] is layer:    # exact: the layer's own router on its own input
+            if routed is None:
+                routed = layer.routed_ahead(h)
+            ids.append(routed[1][1])
             ahead = targets[1:]
         if ahead:
             ids.extend(self.lookahead_ids([b for _, b in ahead], flat))

@@ -16,7 +16,7 @@ from torch import nn
 from ..kernels import cpu_experts, dispatch
 from ..kernels.fused_moe import fused_expert, fused_moe
 from ..limits import BULK_TOKENS
-from ..model import combine_experts
+from ..moe import combine_experts
 from ..utils import format_bytes
 from ..quant.layout import BlobLayout, ExpertFormat
 from .cache import ExpertCache, HostStore
@@ -152,7 +152,7 @@ class OffloadRuntime:
         """Predict and prefetch after each of `model`'s attention layers (detach() undoes it)."""
         assert self.observer is None, "already attached"
         self.predictor = RoutePredictor(model, self.options.lookahead)
-        self.observer = model.add_observer(on_attention=self.after_attention)
+        self.observer = model.add_observer(on_layer=self.after_attention)
 
     def detach(self) -> None:
         if self.observer is not None:
@@ -160,12 +160,14 @@ class OffloadRuntime:
             self.observer = None
 
     # --- prediction and prefetch ----------------------------------------------------------------
-    def after_attention(self, layer, h: torch.Tensor) -> None:
+    def after_attention(self, layer, h: torch.Tensor, routed=None) -> None:
+        """The layer observer (model.Observers): routed is the layer's (router input, routing), computed for its
+        feed-forward."""
         tokens = h.shape[0] * h.shape[1]
         if tokens > BULK_TOKENS:
             self.prefetch_queue = []
             return                                   # prefill: the layer's experts are streamed in bulk
-        predicted = self.predictor.predict(layer, h)
+        predicted = self.predictor.predict(layer, h, routed)
         if not predicted:                            # a dense layer with no MoE layer in reach: keep what is queued
             self._prefetch()                         # (the next token's predictions) and issue more of it
             return

@@ -44,10 +44,13 @@ def resolve_budget(gpu_mem, device: torch.device) -> int:
 
 
 def plan_for(root: Path, args: ModelArgs, budget: int, ctx_size: int, experts: str | None, mtp: bool,
-             dtype: torch.dtype, dense: str | None = None) -> tuple[OffloadPlan, ExpertSource, bool]:
+             dtype: torch.dtype, dense: str | None = None,
+             source: ExpertSource | None = None) -> tuple[OffloadPlan, ExpertSource, bool]:
     """(plan, where the experts come from, whether the MTP layer runs) for a budget, without reading weights.
-    dense: the `--dense` dtype the non-expert weights are packed to (None: they stay in `dtype`)."""
-    source = expert_source(root, args, experts, blobs_required=True)
+    dense: the `--dense` dtype the non-expert weights are packed to (None: they stay in `dtype`). source: the
+    experts' source when the caller resolved it already (builder.build_engine: once per load)."""
+    if source is None:
+        source = expert_source(root, args, experts, blobs_required=True)
     weights_here = has_weights(root)
     with_mtp = mtp and (has_mtp(root, args) if weights_here else args.num_nextn_predict_layers >= 1)
     dense_bytes = torch.empty((), dtype=dtype).element_size()
@@ -63,14 +66,15 @@ def plan_for(root: Path, args: ModelArgs, budget: int, ctx_size: int, experts: s
 
 def build_offload(root: Path, args: ModelArgs, experts: str | None, gpu_mem, ctx_size: int, device: torch.device,
                   dtype: torch.dtype, mtp: bool, options: OffloadOptions = OffloadOptions(), log=print,
-                  dense: str | None = None):
-    """-> an OffloadRuntime, or None when every expert fits in the budget (then nothing is offloaded)."""
+                  dense: str | None = None, source: ExpertSource | None = None):
+    """-> an OffloadRuntime, or None when every expert fits in the budget (then nothing is offloaded). source: as
+    plan_for's."""
     from .cache import HostStore
     from .runtime import OffloadRuntime
 
     budget = resolve_budget(gpu_mem, device)
     log(f"--gpu-mem budget {format_bytes(budget)}" + ("" if device.type == "cuda" else " (simulated device tier on CPU)"))
-    plan, source, with_mtp = plan_for(root, args, budget, ctx_size, experts, mtp, dtype, dense)
+    plan, source, with_mtp = plan_for(root, args, budget, ctx_size, experts, mtp, dtype, dense, source)
     log(plan.table())
     if plan.all_resident:
         log("every routed expert fits in the budget: nothing is offloaded")

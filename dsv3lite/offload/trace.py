@@ -28,16 +28,16 @@ class TraceRecorder:
         self.events: list[dict] = []
         self.step = -1
         self.phase = "prefill"
-        self.observer = model.add_observer(on_attention=self.record)
+        self.observer = model.add_observer(on_layer=self.record)
 
     def detach(self) -> None:
         self.observer.remove()
 
-    def record(self, layer, h) -> None:
+    def record(self, layer, h, routed=None) -> None:
         if layer is self.first_layer:
             self.step += 1
         tokens = h.shape[0] * h.shape[1]
-        for target, (distance, rows) in self.predictor.predict(layer, h).items():
+        for target, (distance, rows) in self.predictor.predict(layer, h, routed).items():
             step = self.step + (not isinstance(distance, int))     # a next-token source predicts the next step
             self.events.append({"step": step, "phase": self.phase, "tokens": tokens, "layer": target,
                                 "distance": distance, "ids": rows})

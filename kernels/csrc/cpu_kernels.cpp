@@ -17,13 +17,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-enum Fmt : int64_t { BF16 = 0, FP8 = 1, INT4 = 2, INT8 = 3, F32 = 4 };   // F32: plain fp32 weights (dense, the decode step)
+enum Fmt : int64_t { BF16 = 0, FP8 = 1, INT4 = 2, INT8 = 3, F32 = 4, MXFP4 = 5 };   // F32: plain fp32 weights (dense, the decode step)
 constexpr int MAX_TOK = 4;       // tokens per row pass
 constexpr int FP8_BLOCK = 128;
 #ifndef PREFETCH_BYTES
@@ -562,7 +563,15 @@ constexpr int MAX_GROUPS = 1024;
 
 extern "C" {
 
-int dsv3_cpu_abi() { return 2; }
+// The code of a weight format by name (quant/table.py's cpu codes; kernels/cpu_abi.py checks them when the library
+// loads), -1 for a name this library does not know.
+int64_t dsv3_format_code(const char* name) {
+  static const struct { const char* name; int64_t code; } codes[] = {
+      {"bf16", BF16}, {"fp8", FP8}, {"int4", INT4}, {"int8", INT8}, {"f32", F32}, {"mxfp4", MXFP4}};
+  for (const auto& c : codes)
+    if (std::strcmp(c.name, name) == 0) return c.code;
+  return -1;
+}
 
 // Routed experts of one MoE layer for tokens x [T, D] fp32 with routing ids [T, K] int64 and weights [T, K] fp32.
 // ptrs [E]: address of expert e's blob (0: not computed here). Pairs (t, k) whose expert has a blob are grouped
@@ -935,6 +944,35 @@ void route(const FfnDesc& d, const float* sc, float* choice, int64_t* ids, float
 }  // namespace
 
 extern "C" {
+
+// The descriptors' layouts as this compiler lays them out: out = [sizeof, the byte offset of each field in
+// declaration order] of the struct called `name` (kernels/cpu_abi.py compares them with its ctypes structs when the
+// library loads). Returns the count written, or -1 for an unknown name or too small an `out`.
+int64_t dsv3_struct_layout(const char* name, int64_t* out, int64_t cap) {
+#define DSV3_AT(S, f) static_cast<int64_t>(offsetof(S, f))
+  std::vector<int64_t> v;
+  if (std::strcmp(name, "Lin") == 0) {
+    v = {sizeof(Lin), DSV3_AT(Lin, fmt), DSV3_AT(Lin, n), DSV3_AT(Lin, k), DSV3_AT(Lin, group), DSV3_AT(Lin, w),
+         DSV3_AT(Lin, s), DSV3_AT(Lin, z)};
+  } else if (std::strcmp(name, "AttnDesc") == 0) {
+    v = {sizeof(AttnDesc), DSV3_AT(AttnDesc, wq_a), DSV3_AT(AttnDesc, wq_b), DSV3_AT(AttnDesc, wkv_a),
+         DSV3_AT(AttnDesc, wo), DSV3_AT(AttnDesc, attn_norm), DSV3_AT(AttnDesc, q_norm), DSV3_AT(AttnDesc, kv_norm),
+         DSV3_AT(AttnDesc, wkv_b), DSV3_AT(AttnDesc, dim), DSV3_AT(AttnDesc, heads), DSV3_AT(AttnDesc, q_lora),
+         DSV3_AT(AttnDesc, dn), DSV3_AT(AttnDesc, dr), DSV3_AT(AttnDesc, dv), DSV3_AT(AttnDesc, kv_lora),
+         DSV3_AT(AttnDesc, cache_dim), DSV3_AT(AttnDesc, interleave), DSV3_AT(AttnDesc, eps),
+         DSV3_AT(AttnDesc, latent_eps), DSV3_AT(AttnDesc, softmax_scale), DSV3_AT(AttnDesc, unused)};
+  } else if (std::strcmp(name, "FfnDesc") == 0) {
+    v = {sizeof(FfnDesc), DSV3_AT(FfnDesc, w1), DSV3_AT(FfnDesc, w3), DSV3_AT(FfnDesc, w2), DSV3_AT(FfnDesc, norm),
+         DSV3_AT(FfnDesc, gate_w), DSV3_AT(FfnDesc, gate_bias), DSV3_AT(FfnDesc, expert_ptrs),
+         DSV3_AT(FfnDesc, expert_desc), DSV3_AT(FfnDesc, dim), DSV3_AT(FfnDesc, n_experts), DSV3_AT(FfnDesc, topk),
+         DSV3_AT(FfnDesc, n_group), DSV3_AT(FfnDesc, topk_group), DSV3_AT(FfnDesc, softmax), DSV3_AT(FfnDesc, method),
+         DSV3_AT(FfnDesc, norm_topk), DSV3_AT(FfnDesc, eps), DSV3_AT(FfnDesc, scaling)};
+  }
+#undef DSV3_AT
+  if (v.empty() || static_cast<int64_t>(v.size()) > cap) return -1;
+  std::copy(v.begin(), v.end(), out);
+  return static_cast<int64_t>(v.size());
+}
 
 // Block.attention for T tokens at positions start.. (batch 1): out [T, D] = h + attention(attn_norm(h)); writes
 // the tokens' rows of cache [Tmax, cache_dim] (this layer's); cos / sin [T, dr] (Rotary's rows for the positions).
@@ -1310,6 +1348,304 @@ int dsv3_int4_quantize(const void* w, int64_t kind, const float* sinv, int64_t n
     const int64_t r0 = item * RB, r1 = std::min(r0 + RB, n);
     if (wide) q_rows_avx512(a, r0, r1);
     else q_rows_avx2(a, r0, r1);
+  });
+  return 0;
+}
+
+}  // extern "C"
+
+// ==== MXFP4 routed experts (DeepSeek-V4's released format; quant/mxfp4.py, kernels/cpu_experts.py) ==============
+// A blob holds per matrix codes [n, kp/2] (two e2m1 per byte, the low nibble the even k) and scales [n, kp/32]
+// (ue8m0 bytes), kp = k rounded up to 32 (zero padding; released checkpoints need none). 32 code bytes (64
+// weights, two 32-blocks) decode by one table lookup per nibble into doubled e2m1 values (integers -12..12, exact):
+// the low nibbles are the two blocks' even elements, the high nibbles their odd ones. Activations are prepared per
+// token in that order, as (act 0) int8 per 32-block (symmetric, amax / 127, half-even, as the int8 kernel rounds)
+// multiplied in integers with the values plus 12 (unsigned, for maddubs) and 12 * sum(xq) taken off again, each
+// block's sum times s_w / 2 * s_x (measured faster at 1, 4 and 32 tokens: benchmarks/mxfp4_cpu.py); or (act 1)
+// fp32, each block's partial dot times s_w / 2. The SwiGLU clamps its gate and up at `limit` (DeepSeek-V4's
+// swiglu_limit; +inf: no clamp): h = silu(min(g, limit)) * clamp(u, -limit, limit).
+namespace {
+
+alignas(32) constexpr int8_t E2M1_X2[32] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int MX_OFFSET = 12;            // E2M1_X2 + 12 >= 0: maddubs' unsigned operand
+alignas(32) constexpr uint8_t E2M1_X2_OFF[32] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                                 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+struct Ue8m0Half {                  // 2^(b - 127) / 2 for every byte b (the value table is doubled); 0xFF NaN
+  float v[256];
+  Ue8m0Half() {
+    for (int b = 0; b < 256; ++b) v[b] = b == 255 ? NAN : std::ldexp(1.0f, b - 128);
+  }
+};
+
+const float* ue8m0_half() {
+  static const Ue8m0Half table;
+  return table.v;
+}
+
+// one token's prepared activation: int8 q [chunks * 64] with, as 8 lanes per chunk (4 for the first block, 4 for
+// the second), the offset's correction (3 x the block's sum of q: 12 x the sum over the 4 lanes) and the block
+// scales; or fp32 f [chunks * 64]
+struct MxAct {
+  const int8_t* q = nullptr;
+  const int32_t* corr = nullptr;
+  const float* xs8 = nullptr;
+  const float* f = nullptr;
+};
+
+struct MxActSize {
+  int64_t k, chunks;
+  bool f32;
+  int64_t bytes() const { return f32 ? chunks * 64 * 4 : chunks * (64 + 32 + 32); }
+};
+
+inline int64_t mx_padded(int64_t k) { return (k + 31) / 32 * 32; }
+
+inline MxActSize mx_act_size(int64_t k, int act) { return MxActSize{k, (mx_padded(k) + 63) / 64, act == 1}; }
+
+inline MxAct mx_view(uint8_t* base, const MxActSize& s) {
+  MxAct a;
+  if (s.f32) {
+    a.f = reinterpret_cast<const float*>(base);
+  } else {
+    a.q = reinterpret_cast<const int8_t*>(base);
+    a.corr = reinterpret_cast<const int32_t*>(base + s.chunks * 64);
+    a.xs8 = reinterpret_cast<const float*>(base + s.chunks * 96);
+  }
+  return a;
+}
+
+// slot of element e in the prepared order: per 64-chunk, the low nibbles' elements (block 0's, then block 1's),
+// then the high nibbles'
+inline int64_t mx_slot(int64_t e) {
+  const int64_t in = e % 64, blk = in / 32, j = in % 32;
+  return e / 64 * 64 + (j & 1) * 32 + blk * 16 + j / 2;
+}
+
+void mx_prepare(const float* x, const MxActSize& s, uint8_t* base) {
+  if (s.f32) {
+    float* f = reinterpret_cast<float*>(base);
+    std::memset(f, 0, s.chunks * 64 * sizeof(float));
+    for (int64_t e = 0; e < s.k; ++e) f[mx_slot(e)] = x[e];
+    return;
+  }
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  int32_t* corr = reinterpret_cast<int32_t*>(base + s.chunks * 64);
+  float* xs8 = reinterpret_cast<float*>(base + s.chunks * 96);
+  std::memset(q, 0, s.chunks * 64);
+  std::memset(corr, 0, s.chunks * 8 * sizeof(int32_t));
+  std::memset(xs8, 0, s.chunks * 8 * sizeof(float));
+  for (int64_t b = 0; b < mx_padded(s.k) / 32; ++b) {
+    const float* xb = x + b * 32;
+    const int n = static_cast<int>(std::min<int64_t>(32, s.k - b * 32));     // the last block may be partial
+    float amax = 0.f;
+    for (int j = 0; j < n; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+    int32_t sum = 0;
+    for (int j = 0; j < n; ++j) {
+      const int8_t v = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      q[mx_slot(b * 32 + j)] = v;
+      sum += v;
+    }
+    for (int i = 0; i < 4; ++i) {
+      corr[b / 2 * 8 + b % 2 * 4 + i] = MX_OFFSET / 4 * sum;
+      xs8[b / 2 * 8 + b % 2 * 4 + i] = amax / 127.0f;
+    }
+  }
+}
+
+inline __m256 mx_i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+// out[t] = dot(row, x_t) for t < NT: w the row's k/2 code bytes, sb its k/32 scale bytes (k a multiple of 32)
+template <int NT, bool F32ACT>
+void mx_row(const uint8_t* w, const uint8_t* sb, int64_t k, const MxAct* a, float* out) {
+  const float* tab = ue8m0_half();
+  const void* table = F32ACT ? static_cast<const void*>(E2M1_X2) : static_cast<const void*>(E2M1_X2_OFF);
+  const __m256i lut = _mm256_load_si256(static_cast<const __m256i*>(table));
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t blocks = k / 32, full = k / 64;
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  auto chunk = [&](int64_t c, __m256i v) {
+    const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m4));
+    const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+    const float s0 = tab[sb[2 * c]], s1 = 2 * c + 1 < blocks ? tab[sb[2 * c + 1]] : 0.f;
+    if constexpr (!F32ACT) {
+      const __m256 sw = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+      for (int t = 0; t < NT; ++t) {
+        const __m256i* xq = reinterpret_cast<const __m256i*>(a[t].q + c * 64);
+        const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(wl, _mm256_loadu_si256(xq)),
+                                           _mm256_maddubs_epi16(wh, _mm256_loadu_si256(xq + 1)));
+        const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t].corr + c * 8));
+        // lanes 0-3: block 0, 4-7: block 1 (exact integers: |sum| < 2^24)
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(d, ones), corr));
+        acc[t] = _mm256_fmadd_ps(sums, _mm256_mul_ps(sw, _mm256_loadu_ps(a[t].xs8 + c * 8)), acc[t]);
+      }
+    } else {
+      const __m128i l0 = _mm256_castsi256_si128(wl), l1 = _mm256_extracti128_si256(wl, 1);
+      const __m128i h0 = _mm256_castsi256_si128(wh), h1 = _mm256_extracti128_si256(wh, 1);
+      const __m256 w0[4] = {mx_i8_to_ps(l0), mx_i8_to_ps(_mm_srli_si128(l0, 8)), mx_i8_to_ps(h0),
+                            mx_i8_to_ps(_mm_srli_si128(h0, 8))};                          // block 0
+      const __m256 w1[4] = {mx_i8_to_ps(l1), mx_i8_to_ps(_mm_srli_si128(l1, 8)), mx_i8_to_ps(h1),
+                            mx_i8_to_ps(_mm_srli_si128(h1, 8))};                          // block 1
+      const __m256 sv0 = _mm256_set1_ps(s0), sv1 = _mm256_set1_ps(s1);
+      for (int t = 0; t < NT; ++t) {
+        const float* x = a[t].f + c * 64;      // block 0 even, block 1 even, block 0 odd, block 1 odd
+        __m256 b0 = _mm256_mul_ps(w0[0], _mm256_loadu_ps(x));
+        __m256 b1 = _mm256_mul_ps(w1[0], _mm256_loadu_ps(x + 16));
+        b0 = _mm256_fmadd_ps(w0[1], _mm256_loadu_ps(x + 8), b0);
+        b1 = _mm256_fmadd_ps(w1[1], _mm256_loadu_ps(x + 24), b1);
+        b0 = _mm256_fmadd_ps(w0[2], _mm256_loadu_ps(x + 32), b0);
+        b1 = _mm256_fmadd_ps(w1[2], _mm256_loadu_ps(x + 48), b1);
+        b0 = _mm256_fmadd_ps(w0[3], _mm256_loadu_ps(x + 40), b0);
+        b1 = _mm256_fmadd_ps(w1[3], _mm256_loadu_ps(x + 56), b1);
+        acc[t] = _mm256_fmadd_ps(b1, sv1, _mm256_fmadd_ps(b0, sv0, acc[t]));
+      }
+    }
+  };
+  for (int64_t c = 0; c < full; ++c) {
+    prefetch(w + c * 32);
+    chunk(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32)));
+  }
+  if (blocks % 2)                    // a last single block: its 16 bytes, the second half zero (weights 0)
+    chunk(full, _mm256_inserti128_si256(_mm256_setzero_si256(),
+                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + full * 32)), 0));
+  for (int t = 0; t < NT; ++t) out[t] = hsum(acc[t]);
+}
+
+struct MxMat {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int64_t n, kp;                      // rows, padded row length
+};
+
+// rows [r0, r1) of m against nt (<= MAX_TOK) activations; out[t * ostride + (r - r0)]
+template <int NT, bool F32ACT>
+void mx_rows_nt(const MxMat& m, int64_t r0, int64_t r1, const MxAct* a, float* out, int64_t ostride) {
+  float res[MAX_TOK];
+  for (int64_t r = r0; r < r1; ++r) {
+    mx_row<NT, F32ACT>(m.codes + r * (m.kp / 2), m.scales + r * (m.kp / 32), m.kp, a, res);
+    for (int t = 0; t < NT; ++t) out[t * ostride + (r - r0)] = res[t];
+  }
+}
+
+template <bool F32ACT>
+void mx_rows_act(const MxMat& m, int64_t r0, int64_t r1, const MxAct* a, int nt, float* out, int64_t ostride) {
+  switch (nt) {
+    case 1: mx_rows_nt<1, F32ACT>(m, r0, r1, a, out, ostride); break;
+    case 2: mx_rows_nt<2, F32ACT>(m, r0, r1, a, out, ostride); break;
+    case 3: mx_rows_nt<3, F32ACT>(m, r0, r1, a, out, ostride); break;
+    default: mx_rows_nt<4, F32ACT>(m, r0, r1, a, out, ostride); break;
+  }
+}
+
+void mx_rows(const MxMat& m, int64_t r0, int64_t r1, const MxAct* a, int nt, bool f32act, float* out,
+             int64_t ostride) {
+  if (f32act) mx_rows_act<true>(m, r0, r1, a, nt, out, ostride);
+  else mx_rows_act<false>(m, r0, r1, a, nt, out, ostride);
+}
+
+// matrix `which` (0 gate, 1 up, 2 down) of an expert blob; desc as dsv3_moe's (codes, scales offsets per matrix)
+MxMat mx_mat(const int64_t* desc, const uint8_t* blob, int which) {
+  const int64_t inter = desc[2], hidden = desc[3];
+  return MxMat{blob + desc[4 + 3 * which], blob + desc[5 + 3 * which], which == 2 ? hidden : inter,
+               mx_padded(which == 2 ? inter : hidden)};
+}
+
+thread_local std::vector<uint8_t> tl_mx_pairs, tl_mx_acts, tl_mx_hidden;
+
+}  // namespace
+
+extern "C" {
+
+// dsv3_moe for MXFP4 blobs with the SwiGLU clamped at `limit` (+inf: none) and activations as `act` (0 int8,
+// 1 fp32): the same arguments, grouping and ascending-id sums. Returns 0, -1 for an expert id out of range, or -2
+// for a descriptor of another format.
+int dsv3_moe_mxfp4(const float* xp, int64_t T, const int64_t* idp, const float* wp, int64_t K, const int64_t* pp,
+                   int64_t E, const int64_t* desc, float* op, int per_pair, int threads, float limit, int act) {
+  if (desc[0] != MXFP4) return -2;
+  const int64_t I = desc[2], D = desc[3];
+  const int64_t NP = T * K;
+  // pairs (t, k) with a blob, grouped by expert: begin[e]..begin[e + 1] index `order`; `used` the ids ascending
+  int64_t* begin = reinterpret_cast<int64_t*>(scratch(tl_mx_pairs, (3 * E + 1 + NP) * 8));
+  int64_t* cursor = begin + E + 1;
+  int64_t* order = cursor + E;
+  int64_t* used = order + NP;
+  std::fill(begin, begin + E + 1, 0);
+  for (int64_t i = 0; i < NP; ++i) {
+    if (idp[i] < 0 || idp[i] >= E) return -1;
+    begin[idp[i] + 1] += pp[idp[i]] != 0;
+  }
+  int64_t n_used = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (begin[e + 1]) used[n_used++] = e;
+    begin[e + 1] += begin[e];
+  }
+  const int64_t P = begin[E];
+  std::copy(begin, begin + E, cursor);
+  for (int64_t i = 0; i < NP; ++i)
+    if (pp[idp[i]]) order[cursor[idp[i]]++] = i;
+  if (!per_pair) std::memset(op, 0, T * D * sizeof(float));
+  if (P == 0) return 0;
+
+  const bool f32act = act == 1;
+  const MxActSize xsz = mx_act_size(D, act), hsz = mx_act_size(I, act);
+  uint8_t* abuf = scratch(tl_mx_acts, T * xsz.bytes() + P * hsz.bytes());
+  uint8_t* hprep = abuf + T * xsz.bytes();
+  float* hbuf = reinterpret_cast<float*>(scratch(tl_mx_hidden, P * I * 4));
+  const int nthreads = thread_count(threads, I * D * 3 / 2 * n_used);
+  parallel_items(T, T * D >= 65536 ? nthreads : 1,
+                 [&](int64_t t) { mx_prepare(xp + t * D, xsz, abuf + t * xsz.bytes()); });
+
+  // phase 1: gate, up, the clamped SwiGLU. Items: (expert, block of RB1 rows of I)
+  constexpr int64_t RB1 = 64;
+  const int64_t blocks1 = (I + RB1 - 1) / RB1;
+  parallel_items(n_used * blocks1, nthreads, [&](int64_t item) {
+    const int64_t e = used[item / blocks1], r0 = item % blocks1 * RB1, r1 = std::min(r0 + RB1, I);
+    const uint8_t* blob = reinterpret_cast<const uint8_t*>(pp[e]);
+    const MxMat gate = mx_mat(desc, blob, 0), up = mx_mat(desc, blob, 1);
+    float g[MAX_TOK * RB1], u[MAX_TOK * RB1];
+    for (int64_t p0 = begin[e]; p0 < begin[e + 1]; p0 += MAX_TOK) {
+      const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, begin[e + 1] - p0));
+      MxAct a[MAX_TOK];
+      for (int i = 0; i < nt; ++i) a[i] = mx_view(abuf + order[p0 + i] / K * xsz.bytes(), xsz);
+      mx_rows(gate, r0, r1, a, nt, f32act, g, RB1);
+      mx_rows(up, r0, r1, a, nt, f32act, u, RB1);
+      for (int i = 0; i < nt; ++i)
+        for (int64_t r = r0; r < r1; ++r)
+          hbuf[(p0 + i) * I + r] = silu(std::min(g[i * RB1 + r - r0], limit)) *
+                                   std::min(std::max(u[i * RB1 + r - r0], -limit), limit);
+    }
+  });
+  parallel_items(P, P * I >= 16384 ? nthreads : 1,
+                 [&](int64_t p) { mx_prepare(hbuf + p * I, hsz, hprep + p * hsz.bytes()); });
+
+  // phase 2: down and the weighted sum. Items: blocks of RB2 rows of D; experts ascending inside each.
+  constexpr int64_t RB2 = 64;
+  parallel_items((D + RB2 - 1) / RB2, nthreads, [&](int64_t item) {
+    const int64_t r0 = item * RB2, r1 = std::min(r0 + RB2, D);
+    float y[MAX_TOK * RB2];
+    for (int64_t j = 0; j < n_used; ++j) {
+      const int64_t e = used[j];
+      const MxMat down = mx_mat(desc, reinterpret_cast<const uint8_t*>(pp[e]), 2);
+      for (int64_t p0 = begin[e]; p0 < begin[e + 1]; p0 += MAX_TOK) {
+        const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, begin[e + 1] - p0));
+        MxAct a[MAX_TOK];
+        for (int i = 0; i < nt; ++i) a[i] = mx_view(hprep + (p0 + i) * hsz.bytes(), hsz);
+        mx_rows(down, r0, r1, a, nt, f32act, y, RB2);
+        for (int i = 0; i < nt; ++i) {
+          const int64_t pair = order[p0 + i];
+          if (per_pair) {
+            std::memcpy(op + pair * D + r0, y + i * RB2, (r1 - r0) * sizeof(float));
+          } else {
+            float* o = op + pair / K * D;
+            for (int64_t r = r0; r < r1; ++r) o[r] = o[r] + y[i * RB2 + r - r0] * wp[pair];
+          }
+        }
+      }
+    }
   });
   return 0;
 }

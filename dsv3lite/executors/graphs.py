@@ -5,14 +5,16 @@ sooner than Python launches the next, so the host sets the speed. `DecodeGraphs`
 tokens as a short list of *segments*: the longest runs of work that read nothing back to the host, each captured
 once into a CUDA graph and replayed, with the rest between them run as usual:
 
-  captured   the embedding and RoPE rows, each layer's norms, attention (MLA.decode_at: the Triton decode kernel
-             over the whole latent cache, the length read on the device), dense MLP, router and shared experts,
-             and the routed experts where their provider reads nothing back (resident blobs: the fused MoE kernel;
-             `graph_safe`), the residual sums and the final norm
+  captured   the blocks' own sub-steps (model.py) that read nothing back: the embedding and RoPE rows, each layer's
+             norms, attention (the Triton decode kernel over the whole latent cache, the positions and length on
+             the device: cache.Positions.on_device), dense MLP, router and shared experts, the routed experts where
+             their provider reads nothing back (resident blobs: the fused MoE kernel; `graph_safe`), the residual
+             sums and the final norm
   run as is  routed experts that the host schedules (offloading: the runtime reads the routing and moves
-             experts), and the observers (offloading's predictor after attention, routing watchers), called after
-             the segment that computed their inputs, in layer order, with what the layer's feed-forward handed
-             them in eager decode (`Block.prepared`, `MoE.prepared`)
+             experts), attention that picks its path on the host (V3.2's sparse attention), and the observers
+             (offloading's predictor after attention, routing watchers), called after the segment that computed
+             their inputs, in layer order, with what eager decode hands them (the layer event's router input and
+             routing)
 
 A fully resident model with blob experts is one graph per step; an offloaded V3 is 59 (one per MoE layer, plus
 one). The eager path is the twin: a segment's first run is eager (which also warms up kernels), then it is
@@ -26,8 +28,9 @@ import os
 
 import torch
 
-from .limits import ABSORB_MAX_TOKENS
-from .model import as_dtype
+from ..cache import ModelCache, Positions
+from ..layers import OBSERVER_EVENTS
+from ..limits import ABSORB_MAX_TOKENS
 
 ENV = "DSV3LITE_GRAPHS"
 
@@ -38,8 +41,10 @@ def enabled() -> bool:
 
 
 def supported(model) -> bool:
-    """Dense MLA in every main layer (V3.2's indexer picks rows on the host's schedule: not captured)."""
-    return all(block.attn.indexer is None for block in model.layers)
+    """Every model of the V3 family: its sub-steps either capture, or run between the captured segments."""
+    from ..model import Transformer
+
+    return isinstance(model, Transformer)
 
 
 class _Op:
@@ -51,32 +56,33 @@ class _Op:
         self.name, self.fn, self.capturable, self.hook = name, fn, capturable, hook
 
 
-def _ops(model, watchers: list, routing: list, device: torch.device) -> list[_Op]:
-    """The step as ops, in eager decode's order (hooks where eager calls them, routed experts where it runs them)."""
-    cos_t, sin_t = model.rotary.cos, model.rotary.sin
+def _ops(model, observers, device: torch.device) -> list[_Op]:
+    """The step as the blocks' own sub-steps, in eager decode's order (hooks where eager calls the observers, the
+    routed experts where it runs them). Captured ops see the positions on the device only; an op that needs them
+    on the host (V3.2's sparse attention, which picks its path by the context length) runs between segments."""
 
     def embed(env):
-        h = env["h"] = model.embed(env["tokens"])
         env["seqlens"] = env["seqlen64"].to(torch.int32)
-        env["cos"] = as_dtype(cos_t.index_select(0, env["positions"]), h.dtype)[:, None]
-        env["sin"] = as_dtype(sin_t.index_select(0, env["positions"]), h.dtype)[:, None]
+        env["h"], env["cos"], env["sin"] = model.prologue(env["tokens"], _device_positions(env))
 
     ops = [_Op("embed", embed)]
     for i, block in enumerate(model.layers):
-        ops.append(_Op(f"layer {i} attention", _attention(block, i)))
+        host_attention = block.attn.indexer is not None
+        ops.append(_Op(f"layer {i} attention", _attention(block, i, host_attention), capturable=not host_attention))
         if block.is_moe:
             ops.append(_Op(f"layer {i} router and shared experts", _moe_pre(block, i)))
-        if watchers:
-            ops.append(_Op(f"layer {i} attention observers", _watch(block, i, watchers), capturable=False, hook=True))
+        if observers.attention or observers.layer:
+            ops.append(_Op(f"layer {i} attention observers", _watch(block, i, observers), capturable=False,
+                           hook=True))
         if not block.is_moe:
             ops.append(_Op(f"layer {i} MLP", _mlp(block)))
             continue
-        if routing:
-            ops.append(_Op(f"layer {i} routing observers", _route_watch(block, i, routing), capturable=False,
+        if observers.routing:
+            ops.append(_Op(f"layer {i} routing observers", _route_watch(block, i, observers), capturable=False,
                            hook=True))
         safe = getattr(block.ffn.experts, "graph_safe", None)
         ops.append(_Op(f"layer {i} routed experts", _routed(block, i), capturable=bool(safe and safe(device))))
-        ops.append(_Op(f"layer {i} residual", _residual(i)))
+        ops.append(_Op(f"layer {i} residual", _residual(block, i)))
 
     def final(env):
         env["out"] = model.norm(env["h"])
@@ -84,70 +90,63 @@ def _ops(model, watchers: list, routing: list, device: torch.device) -> list[_Op
     return ops
 
 
-def _attention(block, i):
+def _device_positions(env) -> Positions:
+    return Positions.on_device(env["positions"], env["seqlens"])
+
+
+def _attention(block, i, host: bool):
     def fn(env):
-        h = env["h"]
-        attn = block.attn.decode_at(block.attn_norm(h), env["positions"], env["seqlens"], env["cos"], env["sin"],
-                                    env["cache"][i])
-        env["h"] = env[("h", i)] = h + attn
+        pos = Positions(env["start"], env["positions"].shape[0]) if host else _device_positions(env)
+        env["h"] = env[("h", i)] = block.attention(env["h"], pos, env["cos"], env["sin"], env["cache"][i],
+                                                   absorb=True)
     return fn
 
 
 def _moe_pre(block, i):
-    """MoE.forward up to the routed experts: the norm, the router, the shared experts (queued first, as eager)."""
+    """The feed-forward up to the routed experts: the router's input and route, the shared experts (queued first,
+    as MoE.forward does)."""
     def fn(env):
-        x = env[("x", i)] = block.ffn_norm(env["h"])
-        weights, ids, scores = block.ffn.gate(x.reshape(-1, x.shape[-1]))
-        env[("weights", i)], env[("ids", i)], env[("scores", i)] = weights, ids, scores
-        env[("shared", i)] = block.ffn.shared_experts(x)
+        x = env[("x", i)] = block.router_input(env["h"])
+        env[("weights", i)], env[("ids", i)], env[("scores", i)] = block.ffn.route(x)
+        env[("shared", i)] = block.ffn.shared(x)
     return fn
+
+
+def _route(env, i):
+    return env[("weights", i)], env[("ids", i)], env[("scores", i)]
 
 
 def _routed(block, i):
     def fn(env):
-        x = env[("x", i)]
-        env[("routed", i)] = block.ffn.experts(x.reshape(-1, x.shape[-1]), env[("ids", i)],
-                                               env[("weights", i)]).view(x.shape)
+        env[("routed", i)] = block.ffn.routed(env[("x", i)], _route(env, i))
     return fn
 
 
-def _residual(i):
+def _residual(block, i):
     def fn(env):
-        env["h"] = env[("h", i)] + (env[("routed", i)] + env[("shared", i)])
+        env["h"] = block.residual(env[("h", i)], block.ffn.combine(env[("routed", i)], env[("shared", i)]))
     return fn
 
 
 def _mlp(block):
     def fn(env):
-        h = env["h"]
-        env["h"] = h + block.ffn(block.ffn_norm(h))
+        env["h"] = block.feed_forward(env["h"])
     return fn
 
 
-def _watch(block, i, watchers):
-    """The attention observers with the layer's output; a MoE layer's norm and routing handed on as eager decode
-    hands them (the predictor reuses them instead of computing them again)."""
+def _watch(block, i, observers):
+    """The attention observers with the layer's output, and the layer observers with the feed-forward's router input
+    and routing, as eager decode calls them (the offloading predictor reuses them instead of computing them again)."""
     def fn(env):
-        h = env[("h", i)]
-        if block.is_moe:
-            x = env[("x", i)]
-            block.prepared = (h, x)
-            block.ffn.prepared = (x, (env[("weights", i)], env[("ids", i)], env[("scores", i)]))
-        try:
-            for watch in watchers:
-                watch(block, h)
-        finally:
-            block.prepared = None
-            if block.is_moe:
-                block.ffn.prepared = None
+        routed = (env[("x", i)], _route(env, i)) if block.is_moe and observers.layer else None
+        observers.after_attention(block, env[("h", i)], routed)
     return fn
 
 
-def _route_watch(block, i, routing):
+def _route_watch(block, i, observers):
     def fn(env):
         ids, scores = env[("ids", i)].clone(), env[("scores", i)].clone()   # the graph rewrites its own next step
-        for watch in routing:
-            watch(block.layer_id, ids, scores)
+        observers.routed(block.layer_id, ids, scores)
     return fn
 
 
@@ -260,17 +259,20 @@ class _StepPlan:
     """The segments (and the eager ops between them) of one step size over one cache, and its static inputs:
     one int64 buffer of tokens | positions | length, written by one copy per step."""
 
-    def __init__(self, model, runner: "DecodeGraphs", seqlen: int, cache: torch.Tensor, watchers, routing):
+    def __init__(self, model, runner: "DecodeGraphs", seqlen: int, cache: ModelCache, device: torch.device):
         self.seqlen, self.cache = seqlen, cache
-        self.held = (list(watchers), list(routing), [b.ffn.experts for b in model.layers if b.is_moe])  # ids in the key
-        self.packed = torch.zeros(2 * seqlen + 1, dtype=torch.int64, device=cache.device)
+        observers = model.observers
+        # what the plan's key names by id, held alive
+        self.held = (list(observers.attention), list(observers.layer), list(observers.routing),
+                     [b.ffn.experts for b in model.layers if b.is_moe], (model.rotary.cos, model.rotary.sin))
+        self.packed = torch.zeros(2 * seqlen + 1, dtype=torch.int64, device=device)
         self.static = {"tokens": self.packed[:seqlen].view(1, seqlen), "positions": self.packed[seqlen:2 * seqlen],
                        "seqlen64": self.packed[2 * seqlen:], "cache": cache}
         runner.mark_static(self.static.values())
         self.items: list = []                       # _Segment, or an eager _Op between segments
         current: list[_Op] = []
         hooks: list[_Op] = []
-        for op in _ops(model, watchers, routing, cache.device):
+        for op in _ops(model, observers, device):
             if op.capturable:
                 current.append(op)
             elif op.hook and current:
@@ -311,26 +313,29 @@ class DecodeGraphs:
 
     # --- the step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def hidden(self, tokens: list[int], start: int, cache: torch.Tensor) -> torch.Tensor | None:
+    def hidden(self, tokens: list[int], start: int, cache: ModelCache) -> torch.Tensor | None:
         """The main layers over `tokens` at positions start.. -> final-normed hidden [1, S, D] (a new tensor), or
-        None (graphs are off, or do not apply to this step). cache: the main layers' [n_layers, 1, Tmax, latent]."""
+        None (graphs are off, or do not apply to this step). cache: the model's caches (batch 1)."""
         seqlen = len(tokens)
-        if self.off_reason is not None or not 1 <= seqlen <= ABSORB_MAX_TOKENS or cache.dim() != 4 \
-                or cache.shape[1] != 1 or start + seqlen > cache.shape[2] \
-                or cache.shape[-1] != self.model.args.latent_dim:
+        tensor = cache.tensor
+        if self.off_reason is not None or not 1 <= seqlen <= ABSORB_MAX_TOKENS or tensor is None \
+                or tensor.shape[1] != 1 or start + seqlen > cache.capacity:
             return None
         model = self.model
-        watchers, routing = model.observers.attention, model.observers.routing
-        setting = (cache.data_ptr(), tuple(cache.shape), tuple(map(id, watchers)), tuple(map(id, routing)),
+        observers = model.observers
+        setting = (id(cache), tensor.data_ptr(), tuple(tensor.shape),
+                   *(tuple(map(id, getattr(observers, event))) for event in OBSERVER_EVENTS),
                    tuple(id(b.ffn.experts) for b in model.layers if b.is_moe))
         plan = self.plans.get((seqlen, setting))
         if plan is None:
             if any(k[1] != setting for k in self.plans):
                 self._reset()                  # a new cache, observers or experts: the old graphs serve no step
-            model.rotary.tables(cache.shape[2], cache.device)        # every position's rows, before any capture
-            plan = self.plans[seqlen, setting] = _StepPlan(model, self, seqlen, cache, watchers, routing)
+            self._device = tensor.device
+            model.rotary.tables(cache.capacity, tensor.device)        # every position's rows, before any capture
+            plan = self.plans[seqlen, setting] = _StepPlan(model, self, seqlen, cache, tensor.device)
         plan.packed.copy_(torch.tensor(tokens + list(range(start, start + seqlen)) + [start + seqlen]))
         env = dict(plan.static)
+        env["start"] = start                   # read only by the ops that run between segments
         self._pool_key = seqlen
         for item in plan.items:
             if not isinstance(item, _Segment):
@@ -383,10 +388,9 @@ class DecodeGraphs:
     def warm(self, fn, env: dict) -> dict:
         """fn(env) eagerly; on CUDA on a side stream (the warm-up a capture wants: libraries set up their
         handles and workspaces outside it)."""
-        device = env["cache"].device
+        device = self._device
         if device.type != "cuda":
             return fn(env)
-        self._device = device
         stream, main = self._side_stream(device), torch.cuda.current_stream(device)
         stream.wait_stream(main)
         mode = torch.cuda.get_sync_debug_mode()
@@ -447,3 +451,24 @@ def eager_capture(fn):
         for k, v in fn().items():
             static[k].copy_(v)
     return static, replay
+
+
+class GraphStep:
+    """The executor of a GPU Engine: decode steps (1..ABSORB_MAX_TOKENS tokens) replayed from `graphs`, everything
+    else (prefill chunks, MTP steps, steps the graphs decline) through `fallback`."""
+    name = "cuda-graphs"
+
+    def __init__(self, fallback, graphs: DecodeGraphs | None = None):
+        self.fallback = fallback
+        self.model, self.device, self.log = fallback.model, fallback.device, fallback.log
+        self.graphs = graphs if graphs is not None else DecodeGraphs(self.model, log=self.log)
+
+    def hidden(self, token_ids: list[int], start: int, cache, absorb: bool) -> torch.Tensor:
+        if absorb:
+            h = self.graphs.hidden(token_ids, start, cache)
+            if h is not None:
+                return h
+        return self.fallback.hidden(token_ids, start, cache, absorb)
+
+    def mtp_hidden(self, hidden, next_ids: list[int], start: int, cache, absorb: bool) -> torch.Tensor:
+        return self.fallback.mtp_hidden(hidden, next_ids, start, cache, absorb)

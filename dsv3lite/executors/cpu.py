@@ -1,0 +1,63 @@
+"""The compiled CPU decode step: a V3-family decode step (batch 1, up to ABSORB_MAX_TOKENS tokens, fp32) through
+the kernels of kernels/cpu_decode.py, one per sub-step, strung together here.
+
+With nothing watching the attention, every main layer runs in one kernel call (`cpu_decode.layers`). Otherwise
+block by block: the attention kernel; the observers (the offloading predictor gets the feed-forward's router input
+and routing, computed once); the feed-forward kernel, or, where its experts are scheduled by the host (offloaded)
+or the route was computed ahead, the eager feed-forward. A sub-step the kernels have no plan for (V3.2's indexed
+attention, offloaded experts) runs eagerly, for that sub-step only; `cpu_decode.uncovered` says why, once.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..cache import ModelCache, Positions, as_model_cache
+from ..kernels import cpu_decode
+from .eager import Eager
+
+
+class CpuStep(Eager):
+    name = "cpu"
+
+    def __init__(self, model, device: torch.device, log=None):
+        super().__init__(model, device, log)
+        for reason in cpu_decode.uncovered(model):
+            self.log(f"note: the compiled CPU decode step runs this eagerly: {reason}")
+
+    def hidden(self, token_ids: list[int], start: int, cache: ModelCache, absorb: bool) -> torch.Tensor:
+        model = self.model
+        if not absorb:
+            return model.hidden(self.tokens(token_ids), start, cache, absorb)
+        cache = as_model_cache(cache, model.args.latent_dim)
+        pos = Positions(start, len(token_ids))
+        h, cos, sin = model.prologue(self.tokens(token_ids), pos)
+        observers = model.observers
+        if not observers.attention and not observers.layer:
+            out = cpu_decode.layers(model, h, start, cos, sin, cache)
+            if out is not None:
+                return model.norm(out)
+        for i, block in enumerate(model.layers):
+            h = self.block(block, h, pos, cos, sin, cache[i])
+        return model.norm(h)
+
+    def mtp_hidden(self, hidden: torch.Tensor, next_ids: list[int], start: int, cache, absorb: bool) -> torch.Tensor:
+        model = self.model
+        if not absorb:
+            return model.mtp_hidden(hidden, self.tokens(next_ids), start, cache, absorb)
+        pos = Positions(start, len(next_ids))
+        h, cos, sin = model.mtp_prologue(hidden, self.tokens(next_ids), pos)
+        return model.mtp.head_norm(self.block(model.mtp.block, h, pos, cos, sin, cache))
+
+    def block(self, block, h: torch.Tensor, pos: Positions, cos, sin, cache) -> torch.Tensor:
+        """Block.forward(h, pos, cos, sin, cache, absorb=True), each sub-step through its kernel where it has one."""
+        a = cpu_decode.attention(block, h, pos.start, cos, sin, cache)
+        if a is None:
+            a = block.attention(h, pos, cos, sin, cache, absorb=True)
+        observers = self.model.observers
+        routed = block.routed_ahead(a) if observers.layer else None
+        observers.after_attention(block, a, routed)
+        if routed is None:
+            out = cpu_decode.feed_forward(block, a)
+            if out is not None:
+                return out
+        return block.feed_forward(a, routed)
