@@ -149,13 +149,14 @@ def simulated_gpu(cc: int):
 
 DTYPES = ("bfloat16", "float16", "float32")
 V3 = dict(hidden=7168, inter=2048, top_k=8, heads=128, kv_lora_rank=512, rope_dim=64)
-KIMI_HEADS = 64           # Kimi-K2: V3's widths with 64 heads and int4 experts in groups of 32
-MOE_FORMATS = (("int4", 128), ("int4", 32), ("fp8", 128), ("bf16", 128))
+KIMI_HEADS = 64           # Kimi-K2: V3's widths with 64 heads; its released experts are int4g32
+MOE_FORMATS = (("int4", 128), ("int4", 32), ("fp8", 128), ("bf16", 128), ("int4g32", 32))
 # (dtype, rows) per weight-reading launcher: batch-1 decode, tensor cores with 16-bit and fp32 x, 2 fp32 rows
 DECODE_SHAPES = (("bfloat16", 1), ("float16", 16), ("float32", 16), ("float32", 2))
 # every format in DECODE_SHAPES on the smallest shared memory without Triton's fp8 type and on the H200's
 # architecture; sm_80 (sm_86's code, more shared memory) and sm_89 (sm_86's limit, native fp8) compile them for the
-# formats whose code they change, and a representative of the others
+# formats whose code they change, and a representative of the others (int4 g128 at batch 1; Kimi's int4g32 in
+# 16-bit, as Kimi-K2 decodes on Ampere and Ada)
 FULL = (86, 90)
 
 
@@ -235,7 +236,8 @@ def _cases() -> dict:
     for fmt, group in MOE_FORMATS:
         f = f"{fmt}-g{group}"
         for dt, m in DECODE_SHAPES:
-            archs = every if fmt == "fp8" or (fmt, group, m) == ("int4", 128, 1) else FULL + (80,) * (m == 16)
+            everywhere = fmt == "fp8" or (fmt, group, m) == ("int4", 128, 1) or (fmt == "int4g32" and dt != "float32")
+            archs = every if everywhere else FULL + (80,) * (m == 16)
             cases[f"moe {f} {dt} M={m}"] = (_moe_case(dt, fmt, group, m), archs)
         for dt in ("bfloat16", "float32"):
             archs = every if fmt in ("fp8", "int4") and group == 128 else FULL
