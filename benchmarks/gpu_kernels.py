@@ -1,9 +1,10 @@
 """Triton kernels on one GPU against their PyTorch twins and the machine's own peaks, with DeepSeek-V3 shapes.
 
   peaks  device-to-device copy GB/s and bf16 matmul TFLOP/s, measured here: the roofline for the rest
-  moe    fused_moe per MoE layer (8 of 256 experts, D=7168 I=2048; M = 1 and 2 tokens; int4 / fp8 / bf16 blobs
-         in a 64-slot pool, so consecutive calls read different slots and L2 cannot hold them) vs reading its
-         weight bytes at copy bandwidth, and vs the twin (dequantize + matmul)
+  moe    fused_moe per MoE layer (8 of 256 experts, D=7168 I=2048; M = 1 and 2 tokens; int4 / fp8 / int4g32
+         (Kimi-K2's released experts) / bf16 blobs in a 64-slot pool, so consecutive calls read different slots
+         and L2 cannot hold them) vs reading its weight bytes at copy bandwidth, and vs the twin (dequantize +
+         matmul)
   mla    mla_decode at 4K/32K/128K context, batch 1/8/32 (128 heads, 512 + 64) vs its twin, and vs
          scaled_dot_product_attention over the latent expanded per head (only to 8K context and batch 8)
   gemv   w4a16 / w8a16 on 7168x2048 and 2048x7168 (M = 1 and 16), weights rotated through 64 copies (> L2),
@@ -11,7 +12,7 @@
   sweep  each batch-1 kernel's candidate configurations (kernels/tuning.py) against its default; the winners
          (more than 3% faster) go to --tuning-out, a JSON file for DSV3LITE_TUNING
   prefill the grouped kernels (expert-major, weights decoded in registers) against the dequantizing path, one
-         MoE layer over 512 and 2048 prompt tokens with all 256 experts resident (int4 / fp8)
+         MoE layer over 512 and 2048 prompt tokens with all 256 experts resident (int4 / fp8 / int4g32)
 
 Every kernel is checked against its twin once before it is timed (max error in the tables; a failed check
 makes the exit status 1). Timing: CUDA events, warmup, median of several repetitions; "GPU" times replay
@@ -242,7 +243,7 @@ def section_moe(b: Bench, S: dict):
     hidden, inter, slots = S["hidden"], S["inter"], S["slots"]
     dtype = torch.bfloat16
     rows = []
-    for name in ("int4", "fp8", "bf16"):
+    for name in ("int4", "fp8", "int4g32", "bf16"):
         if b.left_s() < 15:
             print(f"  moe: budget spent, skipping {name}", file=sys.stderr)
             break
@@ -282,7 +283,8 @@ def section_moe(b: Bench, S: dict):
             ["GPU us: calls replayed from a CUDA graph; eager us: Python launches included (2 kernels per call)",
              f"% of copy peak: time to read the experts' blobs at the measured copy bandwidth "
              f"({b.copy_gbs or 0:.0f} GB/s) over the kernel's time",
-             "twin: fused_moe_ref (dequantize each expert to bf16, then matmuls, combine in bf16)"])
+             "twin: fused_moe_ref (dequantize each expert to bf16, then matmuls, combine in bf16)",
+             "int4: group 128; int4g32: Kimi-K2-Thinking / K2.5's released experts (symmetric, group 32, bf16 scales)"])
 
 
 def section_mla(b: Bench, S: dict):
@@ -465,7 +467,7 @@ def section_prefill(b: Bench, S: dict):
 
     hidden, inter, experts, top_k = S["hidden"], S["inter"], S["experts"], S["top_k"]
     rows = []
-    for name in ("int4", "fp8"):
+    for name in ("int4", "fp8", "int4g32"):
         if b.left_s() < 10:
             break
         fmt = get_format(name, 128)
