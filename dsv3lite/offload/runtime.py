@@ -285,8 +285,13 @@ class OffloadRuntime:
         base, stride = pool.data_ptr(), pool.stride(0)
         ptrs = self.ptr_table
         ptrs.zero_()
+        held = []           # host blobs read, held until the kernel returns: a layer swapped meanwhile stays mapped
         for e, slot in place.items():
-            ptrs[e] = base + slot * stride if slot is not None else host.blob((layer_id, e)).data_ptr()
+            if slot is None:
+                held.append(host.blob((layer_id, e)))
+                ptrs[e] = held[-1].data_ptr()
+            else:
+                ptrs[e] = base + slot * stride
         return cpu_experts.cpu_experts_forward(x, ids, weights, pool, self.layout, ptrs=ptrs)
 
     def _fused(self, layer_id, x, ids, weights, rows, place, job: CpuJob | None) -> torch.Tensor:
