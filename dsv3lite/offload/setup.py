@@ -20,7 +20,6 @@ from .options import OffloadOptions
 from .planner import OffloadPlan, make_plan
 
 CUDA_RESERVE_BYTES = 1536 * 2**20       # CUDA context, allocator fragmentation, library workspaces
-HOST_RESERVE_BYTES = 4 * 2**30          # host RAM left to the OS and everything else
 
 
 def resolve_budget(gpu_mem, device: torch.device) -> int:
@@ -151,9 +150,9 @@ def host_tier(source: ExpertSource, layers, device, total: int, cap: int | None,
     when they fit), so they must fit the cap. A mapped source is served from its mapping at once; on CUDA it is
     pinned in the background, whole when it fits, else its most used experts up to the cap; on the CPU the cap
     bounds the mapped blobs' resident pages."""
-    import psutil
+    from .host_memory import host_ram_budget
 
-    available = psutil.virtual_memory().available - HOST_RESERVE_BYTES
+    available = host_ram_budget()
     cuda = device.type == "cuda"
     blob_bytes = source.layout.blob_bytes
     if not source.mapped:
