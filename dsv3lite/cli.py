@@ -233,28 +233,23 @@ def info(weights, as_json, dense):
     """Config summary, parameter counts (total / active), bytes per component as stored, KV bytes per token, and
     the host tier of routed-expert blobs (the same code as `plan`)."""
     from .builder import resolve_weights
+    from .family import family_of
     from .inventory import inventory
 
     root = resolve_weights(weights)
     inv = inventory(root, dense)
     a, fp, tier = inv.args, inv.footprint, inv.tier
+    family = family_of(a)
     if as_json:
         click.echo(json.dumps({"weights": str(root), "model_type": a.model_type, "total_params": fp.total,
                                "active_params": fp.active, "components": inv.params, "component_bytes": inv.bytes,
                                "stored_as": inv.stored, "kv_bytes_per_token": a.kv_bytes_per_token,
                                "host_tier_bytes": inv.host_tier_bytes, "expert_format": tier.source.fmt.name,
-                               "mtp_layer": tier.with_mtp}))
+                               "mtp_layer": tier.with_mtp, **family.info_json(a)}))
         return
-    moe = a.moe_layer_ids
-    click.echo(f"{root}\n  model_type {a.model_type}: {a.num_hidden_layers} layers ({len(moe)} MoE), hidden {a.hidden_size}, "
-               f"{a.num_attention_heads} heads, vocab {a.vocab_size}")
-    click.echo(f"  MLA: q_lora_rank {a.q_lora_rank}, kv_lora_rank {a.kv_lora_rank}, rope {a.qk_rope_head_dim} "
-               f"({a.rope_type}{f' x{a.rope_factor:g}' if a.rope_type == 'yarn' else ''}), softmax scale {a.softmax_scale:.6f}")
-    click.echo(f"  MoE: {a.n_routed_experts} routed experts of {a.moe_intermediate_size} (top-{a.num_experts_per_tok}, "
-               f"{a.scoring_func}/{a.topk_method}, groups {a.n_group}/{a.topk_group}), {a.n_shared_experts} shared")
-    mtp = ("present" if tier.with_mtp else "declared in config.json, absent from the checkpoint (MTP off)"
-           if a.num_nextn_predict_layers else "none")
-    click.echo(f"  MTP layer: {mtp}; FP8 checkpoint: {'yes' if a.fp8_block_size else 'no'}")
+    click.echo(str(root))
+    for line in family.info_lines(a, tier.with_mtp):
+        click.echo(line)
     click.echo(f"  parameters: {format_count(fp.total)} total, {format_count(fp.active)} active per token"
                + (f" (+{format_count(fp.mtp_dense + fp.mtp_routed_experts)} MTP)" if tier.with_mtp else ""))
     click.echo(f"  bytes per component ({inv.stored}):")
@@ -263,9 +258,8 @@ def info(weights, as_json, dense):
             click.echo(f"    {k:<20} {format_count(v):>8} params  {format_bytes(inv.bytes[k]):>12}")
     click.echo(f"  host tier when offloaded: {format_bytes(inv.host_tier_bytes)} of {tier.source.fmt.label} "
                f"routed-expert blobs (as `plan` counts them)")
-    values = f"{a.latent_dim} latent" + (f" + {a.index_dim} indexer-key" if a.index_dim else "")
-    click.echo(f"  KV cache: {values} values/token/layer = {format_bytes(a.kv_bytes_per_token)} per token "
-               f"(bf16, {a.num_hidden_layers} layers)")
+    for line in family.kv_lines(a):
+        click.echo(line)
 
 
 @cli.command(short_help="Write an HF checkpoint with int4/fp8/nf4/bf16 experts.")

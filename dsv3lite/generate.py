@@ -115,9 +115,9 @@ SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS = 50_000_000
 
 def decode_threads(args, device: torch.device) -> int | None:
     """Intra-op threads for eager CPU decode steps: 1 for tiny models, None (torch's setting) otherwise."""
-    from .footprint import footprint
+    from .family import family_of
 
-    if device.type != "cpu" or footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS:
+    if device.type != "cpu" or family_of(args).footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS:
         return None
     return 1
 
@@ -156,7 +156,8 @@ class Engine:
         # (--no-cuda-graphs or DSV3LITE_GRAPHS=0: the eager step), on the CPU the compiled step
         self.executor = executors.choose(model, device, cuda_graphs, log=self.log)
         self._base_executor = getattr(self.executor, "fallback", self.executor)
-        self.speculator = Speculator(model, self._base_executor, mtp, num_draft_tokens, mtp_adaptive, log=self.log)
+        self.speculator = Speculator(model, self._base_executor, mtp, num_draft_tokens, mtp_adaptive, log=self.log,
+                                     on_tokens=offload.expect_tokens if offload is not None else None)
         self.lock = threading.Lock()
         self.cache: ModelCache | None = None              # every block's cache (the model's kinds), one sequence
         self.cached_tokens: list[int] = []                # tokens whose state is valid in self.cache
@@ -292,12 +293,15 @@ class Engine:
             if a != b:
                 break
             common += 1
-        # at least one token runs, for its logits; the MTP cache and every layer's cache must be able to keep it
-        common = self.cache.keepable(self.speculator.keep(min(common, len(ids) - 1)))
+        # at least one token runs, for its logits; every main layer's cache (and the MTP block's, while it drafts)
+        # must be able to keep it; the speculator's catch-up rolls the MTP block's cache back itself
+        common = self.speculator.keep(min(common, len(ids) - 1))
+        common = self.cache.keepable(common, main=not self.speculator.enabled)
         self.speculator.keep(common)
-        self.cache.truncate(common)
+        self.cache.truncate(common, main=True)
         self.cached_tokens = self.cached_tokens[:common]
         self.last.cached_prompt_tokens = common
+        self.speculator.on_tokens(ids[common:])            # what the token ids decide is fetched before layer 0
         hiddens, logits = [], None
         for start in range(common, len(ids), LAYER_MAJOR_TOKENS):
             group = ids[start:start + LAYER_MAJOR_TOKENS]
@@ -337,6 +341,7 @@ class Engine:
                     self.offload.end_prefill()
                 stats.prefilled_tokens = len(ids) - stats.cached_prompt_tokens
                 token = sample(sampling_probs(logits, params), gen)
+                self.speculator.on_tokens([token])
                 self.speculator.catch_up(self.cache, hidden, ids[start + 1:] + [token], start)
             stats.prefill_s = time.perf_counter() - t0
             stats.ttft_s = stats.prefill_s

@@ -68,8 +68,6 @@ TOP_NAMES = {
 # kept in fp32 whatever the compute dtype (as transformers does): module and checkpoint suffixes
 FP32_MODULE_SUFFIXES = ("ffn.gate.weight", "ffn.gate.bias", "attn.indexer.weights_proj.weight")
 FP32_CHECKPOINT_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
-# a dsv3lite-quantized directory's routed experts of one layer: model.layers.N.mlp.experts.blobs
-BLOBS_SUFFIX = ".mlp.experts.blobs"
 
 _REVERSE = {table_id: {v: k for k, v in t.items()} for table_id, t in
             (("layer", LAYER_NAMES), ("expert", EXPERT_NAMES), ("mtp", MTP_NAMES), ("top", TOP_NAMES))}
@@ -86,6 +84,25 @@ class Target:
 
 def expert_tensor_name(layer_id: int, expert: int, proj: str) -> str:
     return f"model.layers.{layer_id}.mlp.experts.{expert}.{proj}.weight"
+
+
+def expert_names(layer_id: int, expert: int) -> tuple[str, str, str]:
+    """The checkpoint names of one routed expert's gate, up and down weights (quant.layout.MATRICES' order)."""
+    return tuple(expert_tensor_name(layer_id, expert, p) for p in PROJECTIONS)
+
+
+def stored_dtype(name: str) -> str:
+    """The safetensors dtype `quantize` writes a non-expert tensor in with --dense bf16: routers fp32, else bf16."""
+    return "F32" if name.endswith(FP32_CHECKPOINT_SUFFIXES) else "BF16"
+
+
+EXPERT_BLOBS = "mlp.experts.blobs"     # a quantized directory's routed experts of layer i: model.layers.{i}.<this>
+BLOBS_SUFFIX = "." + EXPERT_BLOBS
+
+
+def blob_name(layer_id: int) -> str:
+    """The uint8 [n_experts, blob_bytes] tensor of one MoE layer's blobs in a quantized directory (quant/)."""
+    return f"model.layers.{layer_id}.{EXPERT_BLOBS}"
 
 
 def map_name(ckpt_name: str, args: ModelArgs) -> Target | None:
@@ -114,19 +131,22 @@ def map_name(ckpt_name: str, args: ModelArgs) -> Target | None:
     return None
 
 
-def component_of(ckpt_name: str, args: ModelArgs) -> str | None:
+def component_of(ckpt_name: str, args, names=map_name) -> str | None:
     """The footprint component a checkpoint tensor (or its FP8 scale, or a quantized layer's expert blobs) counts
     in: embeddings | lm_head | attention+norms | dense MLPs | routers | shared experts | routed experts |
-    MTP (non-expert) | MTP routed experts; None for a tensor the model does not read."""
+    MTP (non-expert) | MTP routed experts; None for a tensor the model does not read. Any family: `names` is its
+    name table (family.py's map_name), whose module names use the same words in every family."""
     base = ckpt_name.removesuffix("_scale_inv")
-    m = _LAYER_RE.match(base)
-    in_mtp = m is not None and int(m.group(1)) == args.mtp_layer_id
-    target = map_name(base, args)
-    if base.endswith(BLOBS_SUFFIX) or (target is not None and target.expert is not None):
-        return "MTP routed experts" if in_mtp else "routed experts"
+    if base.endswith(BLOBS_SUFFIX):
+        m = _LAYER_RE.match(base)
+        return "MTP routed experts" if m and int(m.group(1)) == args.mtp_layer_id else "routed experts"
+    target = names(base, args)
     if target is None:
         return None
     name = target.name
+    in_mtp = name.startswith("mtp.")
+    if target.expert is not None:
+        return "MTP routed experts" if in_mtp else "routed experts"
     if in_mtp:
         return "MTP (non-expert)"
     if name in ("embed.weight", "head.weight"):
@@ -313,11 +333,6 @@ def has_weights(root: Path) -> bool:
     return (root / "model.safetensors.index.json").exists() or any(root.glob("*.safetensors"))
 
 
-def has_mtp(root: Path, args: ModelArgs) -> bool:
-    """Whether the checkpoint at `root` carries the MTP layer its config declares (see mtp_status)."""
-    return args.num_nextn_predict_layers >= 1 and mtp_status(CheckpointIndex.open(root), args)[0]
-
-
 # ---- reading tensors --------------------------------------------------------------------------------------
 
 # a weight's scale: `<name>_scale_inv` (DeepSeek-V3, float32), or `<stem>.scale` for `<stem>.weight` (DeepSeek-V4,
@@ -412,11 +427,13 @@ class TensorReader:
 
     def weight(self, name: str, shape: tuple[int, ...] | None = None,
                scratch=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, its scale in fp32, or None for a float weight), shapes checked: an FP8 weight's block scale
-        grid, or an I8 weight's (two MXFP4 codes a byte, DeepSeek-V4's experts) scales per 32 weights [N, K/32]
-        (ue8m0 decoded exactly). `scratch`: read the weight into this thread's buffer of that key (see `get`);
-        valid until the next read with that key."""
+        """(weight, its scale in fp32, or None for a float weight), shapes checked (`shape`: the logical [N, K]): an
+        FP8 weight's block scale grid, or an I8 weight's (two MXFP4 codes a byte, DeepSeek-V4's experts) scales per
+        32 weights [N, K/32] (ue8m0 decoded exactly). `scratch`: read the weight into this thread's buffer of that
+        key (see `get`); valid until the next read with that key."""
         w = self.get(name, scratch)
+        if shape is not None and w.dtype == torch.int8 and len(shape) == 2:
+            shape = (shape[0], shape[1] // 2)                    # MXFP4 codes: two a byte
         if shape is not None and tuple(w.shape) != tuple(shape):
             raise UserError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)} from config.json")
         if w.dtype not in (torch.float8_e4m3fn, torch.int8):

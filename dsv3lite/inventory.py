@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ModelArgs
-from .footprint import DENSE_WEIGHT_BYTES, Footprint, footprint, unpacked_attention_params
+from .errors import UserError
+from .family import family_of
+from .footprint import DENSE_WEIGHT_BYTES, Footprint, unpacked_attention_params
 
 COMPONENTS = {"embeddings": "embed", "lm_head": "head", "attention+norms": "attention", "dense MLPs": "dense_mlp",
               "routers": "routers", "shared experts": "shared_experts", "routed experts": "routed_experts",
@@ -35,13 +37,16 @@ def inventory(root: Path, dense: str | None = None) -> Inventory:
     from .offload.setup import expert_tier
     from .quant.checkpoint import is_quantized_dir, read_manifest
 
-    a = ModelArgs.from_dir(root)
-    fp = footprint(a)
+    a = ModelArgs.from_dir(root)                          # the family's args (family.py)
+    family = family_of(a)
+    if dense is not None and not family.packs_dense:
+        raise UserError(f"--dense is not supported for {family.name} checkpoints yet")
+    fp = family.footprint(a)
     tier = expert_tier(root, a, None, mtp=True)
     params = {k: getattr(fp, attr) for k, attr in COMPONENTS.items()
               if tier.with_mtp or k not in MTP_COMPONENTS}
     if tier.weights_here:
-        sizes, dtypes = _stored_bytes(root, a)
+        sizes, dtypes = _stored_bytes(root, a, family.map_name)
         stored = "as stored: " + ", ".join(dtypes)
     else:                                                 # bf16, the routed experts as the tier's blobs
         blob = tier.source.layout.blob_bytes
@@ -72,14 +77,14 @@ def inventory(root: Path, dense: str | None = None) -> Inventory:
     return Inventory(a, fp, params, sizes, stored, tier)
 
 
-def _stored_bytes(root: Path, args: ModelArgs) -> tuple[dict[str, int], list[str]]:
+def _stored_bytes(root: Path, args: ModelArgs, names) -> tuple[dict[str, int], list[str]]:
     """(component -> bytes of its tensors in the checkpoint's files, the dtypes found, most bytes first)."""
     from .hf_checkpoint import CheckpointIndex, component_of
 
     sizes: dict[str, int] = {}
     by_dtype: dict[str, int] = {}
     for name, meta in CheckpointIndex.open(root).headers().items():
-        component = component_of(name, args)
+        component = component_of(name, args, names)
         if component is None:
             continue
         begin, end = meta["data_offsets"]

@@ -18,7 +18,7 @@ from torch import nn
 from .config import ModelArgs
 from .dense import PackedLinear, check_dense, packable
 from .errors import UserError
-from .hf_checkpoint import (FP32_MODULE_SUFFIXES, CheckpointIndex, TensorReader, check_layer_count,
+from .hf_checkpoint import (FP32_MODULE_SUFFIXES, CheckpointIndex, TensorReader,
                             checkpoint_name, is_scale_name, map_name, mtp_status, unplaced_note, unscaled_integer)
 from .model import Transformer
 from .quant.fp8 import fp8_block_dequant
@@ -67,6 +67,8 @@ class Loader:
         self.packed = dict(count=0, kept=0, before=0, after=0, seconds=0.0)   # what packing did (the log line)
 
     # --- the family's hooks ---------------------------------------------------------------------------------
+    decodes_released = False    # whether the loader decodes the checkpoint's released expert format to dense experts
+
     def build(self, args, with_mtp: bool) -> nn.Module:
         """The network, built on the meta device by the caller."""
         return Transformer(args, with_mtp=with_mtp)
@@ -95,18 +97,18 @@ class Loader:
         check_dense(self.dense, torch.device(self.device))
         args = args or ModelArgs.from_dir(self.root)
         index = CheckpointIndex.open(self.root)
-        check_layer_count(index, args)
-        with_mtp, notice = self.mtp_status(index, args) if mtp else (False, None)
+        with_mtp, notice = self.mtp_status(index, args)       # (the family's checks of the checkpoint's depth)
+        if not mtp:
+            with_mtp, notice = False, None
         self.skip_mtp = not with_mtp
         for note in (notice, index.skipped_note(), unplaced_note(index, args, self.map_name)):
             if note:
                 self.log(note)
         with torch.device("meta"):
             model = self.build(args, with_mtp)
-        if expert_provider is None and getattr(args, "released_experts", None):   # no dense form: as stored
-            from .experts import released_provider
-
-            expert_provider = released_provider(self.root, args, self.device)
+        if expert_provider is None and args.released_experts and not self.decodes_released:
+            raise UserError(f"the routed experts of {self.root} are stored as {args.released_experts}, which has no "
+                            f"dense form here: they load as stored through dsv3lite.load (builder.load_network)")
         self.external_experts = expert_provider is not None
         if expert_provider is not None:
             for moe in model.moe_modules():

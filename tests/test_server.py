@@ -511,3 +511,22 @@ def test_serve_reports_a_taken_port_in_one_line(v3_dir):
         assert main(["serve", "--no-ui", "-w", str(v3_dir), "--port", str(port)]) != 0
     finally:
         sock.close()
+
+
+def test_v4_checkpoint_is_served(v4_dir):
+    """A released-layout DeepSeek-V4 checkpoint behind the API: chat and completions (streamed and whole) equal the
+    engine's greedy replies, with its MTP block speculating; the stats endpoint reports the run."""
+    oracle, llm = load(v4_dir), load(v4_dir)
+    messages = [{"role": "user", "content": "To be, or not to be?"}]
+    want = chat_text(oracle, messages, max_tokens=8)
+    with ServerThread(create_app(llm, ui=False, sampling={"max_tokens": 8}, log=lambda m: None)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=v4_dir.name, messages=messages, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == want and r.usage.completion_tokens == 8
+        chunks = list(client.chat.completions.create(model=v4_dir.name, messages=messages, max_tokens=8,
+                                                     temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+        text = complete_text(oracle, "The quick brown fox", max_tokens=6)
+        r = client.completions.create(model=v4_dir.name, prompt="The quick brown fox", max_tokens=6, temperature=0)
+        assert r.choices[0].text == text
+        assert server_stats(server)["mtp"]["enabled"] is True

@@ -13,8 +13,9 @@ import torch
 from ..config import ModelArgs
 from ..errors import UserError
 from ..experts import ExpertSource, expert_source
+from ..family import family_of
 from ..footprint import DENSE_WEIGHT_BYTES
-from ..hf_checkpoint import has_mtp, has_weights
+from ..hf_checkpoint import CheckpointIndex, has_weights
 from ..utils import format_bytes, parse_size
 from .options import OffloadOptions
 from .planner import OffloadPlan, make_plan
@@ -73,7 +74,9 @@ def expert_tier(root: Path, args: ModelArgs, experts: str | None, mtp: bool,
     if source is None:
         source = expert_source(root, args, experts, blobs_required=True)
     weights_here = has_weights(root)
-    with_mtp = mtp and (has_mtp(root, args) if weights_here else args.num_nextn_predict_layers >= 1)
+    with_mtp = mtp and args.num_nextn_predict_layers >= 1
+    if with_mtp and weights_here:                         # the checkpoint carries the MTP layer its config declares
+        with_mtp = family_of(args).mtp_status(CheckpointIndex.open(root), args)[0]
     return ExpertTier(source, with_mtp, weights_here, tier_layers(args, with_mtp))
 
 
@@ -122,7 +125,7 @@ def build_offload(root: Path, args: ModelArgs, experts: str | None, gpu_mem, ctx
     tier = host_tier(source, layers, device, total, options.cpu_mem_bytes, log)
     runtime = OffloadRuntime(HostStore(tier.blobs, source.layout.blob_bytes, tier.mode, tier.resident_cap),
                              source.fmt, source.layout, plan.n_slots, device, dtype, options=options, plan=plan,
-                             log=log)
+                             log=log, limit=family_of(args).swiglu_limit(args))
     log(f"cost model: {runtime.cost.describe()}; misses: {options.miss_policy}")
     if tier.pin_layers:
         from .host_memory import BackgroundPinner
