@@ -3,8 +3,10 @@ tables b and c; table a, one expert, is benchmarks/peer_v4.py):
 
   (b) the real-width V4-Flash slice (hidden 4096, 64 heads x 512, MXFP4 experts 2048 wide; 3 layers: sliding, CSA,
       HCA; 16 experts): decode and prefill, dsv3lite as users run it (MXFP4 experts served as released, the FP8
-      dense weights dequantized to fp32) against llama.cpp's GGUF of the same checkpoint (its converter keeps the
-      MXFP4 experts; the dense weights at the matching width, F32);
+      dense weights dequantized to fp32) against llama.cpp's GGUF of the same checkpoint. Its converter keeps the
+      MXFP4 experts and writes V4's FP8 dense weights as Q8_0 whatever --outtype says (embeddings and head BF16,
+      norms and mHC F32; the rows say "F32", the converter's --outtype), so llama.cpp reads about a quarter of the
+      dense bytes dsv3lite reads: dsv3lite has no packed dense path for V4 yet;
   (c) V4-Flash's geometry at tiny widths (43 layers, 256 experts, top-6, 3 hash layers, the released compression
       ratios, MXFP4 experts): host time per token, dsv3lite resident against llama.cpp F32, and offloaded on the
       simulated device tier at ~10% and ~25% of the experts against resident.
@@ -103,7 +105,8 @@ def main() -> int:
         load = cpu_peer.wait_for_quiet(a.quiet, a.wait)
         res = cpu_peer.compare_models(configs, path, cpu_peer.CACHE / "bench" / "v4-slice-gguf", "F32", a.threads,
                                       a.rounds, prompt(a.prompt, 4096), a.tokens, with_mtp=False)
-        cpu_peer.print_models(f"(b) V4-Flash real-width slice, 1-minute load {load:.2f} at the start", res, configs)
+        cpu_peer.print_models(f"(b) V4-Flash real-width slice, 1-minute load {load:.2f} at the start (llama.cpp: "
+                              f"MXFP4 experts, Q8_0 dense as its converter writes V4)", res, configs)
     if "c" in a.tables:
         path = geometry_checkpoint()
         configs = [("resident", same, "F32")] + [
