@@ -52,7 +52,8 @@ LINKS = (("PCIe 4", 25 * GB), ("PCIe 5", 50 * GB))    # effective pinned host-to
 
 # measured here (benchmarks/RESULTS.md, "DeepSeek-V4: the MXFP4 CPU expert kernel"): one layer's call of 6 distinct
 # V4-Flash MXFP4 experts at 1 token, 2 threads, 2.47 ms, on the 2-vCPU AMD EPYC (Zen 5) whose reads run at 40.1 GB/s
-# on 2 threads (RESULTS.md, "Kimi-K2-Thinking / K2.5 as released")
+# on 2 threads (RESULTS.md, "Kimi-K2-Thinking / K2.5 as released"); one thread runs 6 at 4.32 ms (18.6 GB/s a core,
+# compute-bound: RESULTS.md, the projection's section), so the assumed host's cores are enough to read at its rate
 CPU_MS_6_EXPERTS = 2.47
 HERE_READ_GBS = 40.1
 
