@@ -164,7 +164,8 @@ def main():
         row += [str(loads["belady"]), f"{loads['decayed-lfu'] / max(loads['belady'], 1):.2f}x"]
         print("| " + " | ".join(row) + " |")
     if args.copy_queue:
-        copy_queue_table(traces, meta, total_experts, sizes, (args.layer_ms or 0.35) / 1e3, (args.copy_ms or 0.47) / 1e3)
+        copy_queue_table(traces, meta, total_experts, sizes, (args.layer_ms or 0.35) / 1e3,
+                         (args.copy_ms or 0.47) / 1e3)
     recall = {}
     for t in traces:
         for d, r in predictor_recall(t).items():

@@ -3,8 +3,7 @@ and PCIe 5, computed from measured parts and stated assumptions (no GPU has run 
 
 Per decoded token (MTP off, batch 1), with the expert cache at the slots the README's memory table gives each card:
   uses U = 43 MoE layers x top-6 = 258 routed-expert uses, of which D are demand misses and the rest slot hits;
-  P prefetch loads (exact hash-layer prefetch, and router prefetch where the configuration has it) cross the link
-  whatever happens;
+  P prefetch loads (the exact hash-layer prefetch) cross the link whatever happens;
   GPU    t_gpu  = (dense bytes read + hits x expert bytes) / (GPU bandwidth x roofline fraction)
   link   t_link = (P + demand misses fetched) x expert bytes / link bandwidth
   CPU    t_cpu  = demand misses computed on the CPU x one expert's CPU time (1 token)
@@ -29,9 +28,10 @@ GB = 1e9
 SIM_SOURCE = ("python benchmarks/cache_sim.py --v4 /tmp/v4-geometry --tokens 256 --sizes 10,25 "
               "--slots 591,2518,5088 (2026-12-02)")
 # Decayed-LFU with the exact hash-layer prefetch alone (its prefetches are exact: the link carries no wasted load),
-# and with no prefetch at all (the hash layers' experts are demand misses too). With router prefetch too, the untimed count loads every prediction (1.7-2.3x the loads
-# here at these sizes), where the runtime keeps 2 prefetches in flight and drops stale ones: its effect is the
-# copy-queue stall column of the same tables, not this arithmetic.
+# and with no prefetch at all (the hash layers' experts are demand misses too). With router prefetch too, the
+# untimed count loads every prediction (1.4-2.1x the loads here at these sizes), where the runtime keeps 2
+# prefetches in flight and drops stale ones: its effect is the copy-queue stall column of the same tables, not
+# this arithmetic.
 SIM = {   # trace -> configuration -> slots -> (demand misses / token, prefetch loads / token): loads less demand
     "synthetic": {      # learned layers Zipf(1.0) (assumed skew); hash layers from the demo model's text (exact)
         "hash prefetch": {591: (162.85, 14.85), 2518: (94.85, 9.35), 5088: (57.69, 5.21)},
@@ -43,10 +43,10 @@ SIM = {   # trace -> configuration -> slots -> (demand misses / token, prefetch 
     },
 }
 
-CARDS = (  # name, memory, slots the README's memory table plans at 32K context (scripts/memory_table.py), bandwidth
-    ("24 GB (RTX 4090 class)", 24, 591, 1008 * GB),
-    ("48 GB (RTX 6000 Ada class)", 48, 2518, 960 * GB),
-    ("80 GB (H100 PCIe class)", 80, 5088, 2000 * GB),
+CARDS = (  # name, slots the README's memory table plans at 32K context (scripts/memory_table.py), bandwidth (specs)
+    ("24 GB (RTX 4090 class)", 591, 1008 * GB),
+    ("48 GB (RTX 6000 Ada class)", 2518, 960 * GB),
+    ("80 GB (H100 PCIe class)", 5088, 2000 * GB),
 )
 LINKS = (("PCIe 4", 25 * GB), ("PCIe 5", 50 * GB))    # effective pinned host-to-device (ANCHORS.md: Gen5 ~50 GB/s)
 
@@ -130,7 +130,7 @@ def main():
             "link ms", "CPU ms", "tok/s, runtime's rule (serial - overlapped)", "tok/s, split (serial - overlapped)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for card, _, slots, bw in CARDS:
+    for card, slots, bw in CARDS:
         for link, link_bps in LINKS:
             for config, by_slots in SIM[args.trace].items():
                 demand, prefetch = by_slots[slots]
