@@ -150,6 +150,9 @@ def simulated_gpu(cc: int):
 DTYPES = ("bfloat16", "float16", "float32")
 V3 = dict(hidden=7168, inter=2048, top_k=8, heads=128, kv_lora_rank=512, rope_dim=64)
 KIMI_HEADS = 64           # Kimi-K2: V3's widths with 64 heads; its released experts are int4g32
+# DeepSeek-V4-Flash: mxfp4 routed experts with the SwiGLU clamp, MQA attention over 512-wide rows (V4-Pro: 128
+# heads, 1,024 top-k)
+V4 = dict(hidden=4096, inter=2048, top_k=6, heads=64, head_dim=512, window=128, index_topk=512, swiglu_limit=10.0)
 MOE_FORMATS = (("int4", 128), ("int4", 32), ("fp8", 128), ("bf16", 128), ("int4g32", 32))
 # (dtype, rows) per weight-reading launcher: batch-1 decode, tensor cores with 16-bit and fp32 x, 2 fp32 rows
 DECODE_SHAPES = (("bfloat16", 1), ("float16", 16), ("float32", 16), ("float32", 2))
@@ -197,22 +200,23 @@ def _gemv_case(dtype, fmt, m, tune=None, n=7168, k=2048):
     return run
 
 
-def _moe_case(dtype, fmt, group, m, launcher="fused_moe", tune=None):
+def _moe_case(dtype, fmt, group, m, launcher="fused_moe", tune=None, model=V3):
+    """One MoE launcher at `model`'s sizes (V4's: with its SwiGLU clamp, a constexpr of the gate+up kernels)."""
     def run(device="cpu"):
         import torch
 
         from .kernels import fused_moe as fm, tuning
         from .quant.formats import get_format
 
-        layout = get_format(fmt, group).layout(V3["inter"], V3["hidden"])
+        layout = get_format(fmt, group).layout(model["inter"], model["hidden"])
         slots = 16
-        x = torch.empty(m, V3["hidden"], dtype=getattr(torch, dtype), device=device)
-        ids = torch.stack([torch.randperm(slots)[:V3["top_k"]] for _ in range(m)]).to(device)
-        weights = torch.empty(m, V3["top_k"], dtype=torch.float32, device=device)
+        x = torch.empty(m, model["hidden"], dtype=getattr(torch, dtype), device=device)
+        ids = torch.stack([torch.randperm(slots)[:model["top_k"]] for _ in range(m)]).to(device)
+        weights = torch.empty(m, model["top_k"], dtype=torch.float32, device=device)
         pool = torch.empty(slots, layout.blob_bytes, dtype=torch.uint8, device=device)
         with _trying(tuning, *(tune or (None, None))):
             getattr(fm, launcher)(x, ids, weights, torch.arange(slots, dtype=torch.int32, device=device), pool,
-                                  layout)
+                                  layout, limit=model.get("swiglu_limit"))
     return run
 
 
@@ -243,6 +247,11 @@ def _cases() -> dict:
             archs = every if fmt in ("fp8", "int4") and group == 128 else FULL
             cases[f"grouped {f} {dt}"] = (_moe_case(dt, fmt, group, 64, "fused_moe_grouped"), archs)
     cases["grouped int4-g128 float16"] = (_moe_case("float16", "int4", 128, 64, "fused_moe_grouped"), every)
+    # DeepSeek-V4-Flash's mxfp4 experts, clamped: decode and the grouped prefill kernels on every architecture
+    for dt, m in DECODE_SHAPES:
+        cases[f"moe mxfp4-V4 {dt} M={m}"] = (_moe_case(dt, "mxfp4", 32, m, model=V4), every)
+    for dt in DTYPES:
+        cases[f"grouped mxfp4-V4 {dt}"] = (_moe_case(dt, "mxfp4", 32, 64, "fused_moe_grouped", model=V4), every)
     # what the GPU suite's sweep times on the H200: each candidate at batch 1, bf16, int4 (the sweep's format); a
     # winner copied into tuning.DEFAULTS is then compiled for every architecture by the cases above
     from .kernels import tuning
