@@ -179,6 +179,24 @@ def _mla_case(dtype, heads, context, sq=1, index_topk=0):
     return run
 
 
+def _v4_attention_case(dtype, heads, entries, topk, sq=1):
+    """V4 decode attention at V4's widths: the 131-row window ring, `entries` compressed rows (CSA: `topk` picked
+    per query; HCA: topk 0, all visible)."""
+    def run(device="cpu"):
+        import torch
+
+        from .kernels.v4_attention import v4_decode_attention
+
+        dt, dim, window = getattr(torch, dtype), V4["head_dim"], V4["window"]
+        q = torch.empty(1, sq, heads, dim, dtype=dt, device=device)
+        ring = torch.empty(1, window + 3, dim, dtype=dt, device=device)
+        ent = torch.empty(1, entries, dim, dtype=dt, device=device)
+        idx = torch.zeros(1, sq, topk, dtype=torch.int32, device=device) if topk else None
+        sink = torch.zeros(heads, dtype=torch.float32, device=device)
+        v4_decode_attention(q, ring, 128 * entries, window, sink, dim ** -0.5, ent, idx, ratio=4 if topk else 128)
+    return run
+
+
 def _gemv_case(dtype, fmt, m, tune=None, n=7168, k=2048):
     def run(device="cpu"):
         import torch
@@ -233,6 +251,12 @@ def _cases() -> dict:
     for dt in ("bfloat16", "float32"):
         cases[f"mla {dt} V3.2 sparse"] = (_mla_case(dt, V3["heads"], 8192, index_topk=2048), every)
     cases["mla bfloat16 Kimi-K2 128K verify"] = (_mla_case("bfloat16", KIMI_HEADS, 131072, sq=2), every)
+    # DeepSeek-V4: a CSA layer at 64K (Flash's top-512 of 16,384 entries), an HCA layer at 1M (8,192 entries), and
+    # V4-Pro's 128 heads with its top-1,024 in an MTP verify pass
+    for dt in DTYPES:
+        cases[f"v4attn {dt} Flash CSA 64K"] = (_v4_attention_case(dt, V4["heads"], 16384, V4["index_topk"]), every)
+    cases["v4attn bfloat16 Flash HCA 1M"] = (_v4_attention_case("bfloat16", V4["heads"], 8192, 0), every)
+    cases["v4attn bfloat16 Pro CSA verify"] = (_v4_attention_case("bfloat16", 128, 16384, 1024, sq=4), every)
     for fmt in ("int4", "fp8"):
         for dt, m in DECODE_SHAPES:
             archs = every if fmt == "fp8" or m == 1 else FULL + (80,)

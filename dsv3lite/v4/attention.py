@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import dispatch
+from ..kernels.mla_decode import MAX_QUERIES
+from ..kernels.v4_attention import gather_rows, sink_attention, v4_decode_attention
 from ..model import Linear, rope_inv_freq
 from .cache import CompressorState, SlidingCache
 from .config import CSA, SLIDING, V4Args
@@ -211,7 +214,13 @@ class Attention(nn.Module):
                 index_keys = self.indexer.compressor.update(a, start, states["indexer"], self.compress_rotary)
                 if entries.shape[1] > self.indexer.topk:   # else every visible entry is picked: the causal mask
                     selected = self.indexer.select(a, qr, positions, index_keys, self.compress_rotary)
-        out = self._attend(q, start, positions, keys, entries, selected)        # [B, S, H, hd]
+        if cache is not None and seqlen <= MAX_QUERIES and cache.window.kv.dtype == q.dtype and \
+                dispatch.use_kernels(q.device):
+            # decode: the Triton kernel reads the window straight from the ring (kernels/v4_attention.py)
+            out = v4_decode_attention(q, cache.window.kv, start, self.window, self.attn_sink, self.head_dim ** -0.5,
+                                      entries, None if selected is None else selected.to(torch.int32), self.ratio)
+        else:
+            out = self._attend(q, start, positions, keys, entries, selected)    # [B, S, H, hd]
         out = apply_rope(out, cos[:, None], -sin[:, None])                   # back to offsets p - j
         return self.wo_b(self._grouped_wo_a(out))
 
@@ -256,30 +265,15 @@ class Attention(nn.Module):
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
     def _attend_block(self, q, pos, keys, key_first, entries, selected):
-        scale = self.head_dim ** -0.5
         kpos = torch.arange(key_first, key_first + keys.shape[1], device=q.device)
         see = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)        # [s, Tw]
-        logits = [torch.einsum("bshd,btd->bsht", q, keys).float().mul_(scale)
-                  .masked_fill_(~see[None, :, None], float("-inf"))]
-        values = None
+        parts = [(keys, see[None])]
         if entries is not None and selected is None:
             visible = torch.arange(entries.shape[1], device=q.device)[None, :] < ((pos + 1) // self.ratio)[:, None]
-            logits.append(torch.einsum("bshd,bnd->bshn", q, entries).float().mul_(scale)
-                          .masked_fill_(~visible[None, :, None], float("-inf")))
+            parts.append((entries, visible[None]))
         elif entries is not None:
-            values = _gather_rows(entries, selected)                                               # [B, s, k, hd]
-            logits.append(torch.einsum("bshd,bskd->bshk", q, values).float().mul_(scale)
-                          .masked_fill_((selected < 0)[:, :, None], float("-inf")))
-        sink = self.attn_sink.float()[None, None, :, None].expand(q.shape[0], q.shape[1], -1, 1)
-        combined = torch.cat([*logits, sink], dim=-1)
-        probs = (combined - combined.amax(dim=-1, keepdim=True)).softmax(dim=-1).to(q.dtype)
-        tw = keys.shape[1]
-        out = torch.einsum("bsht,btd->bshd", probs[..., :tw], keys)
-        if entries is not None and selected is None:
-            out = out + torch.einsum("bshn,bnd->bshd", probs[..., tw:-1], entries)
-        elif entries is not None:
-            out = out + torch.einsum("bshk,bskd->bshd", probs[..., tw:-1], values)
-        return out
+            parts.append((gather_rows(entries, selected), selected >= 0))                     # [B, s, k, hd]
+        return sink_attention(q, self.attn_sink, self.head_dim ** -0.5, parts)
 
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         """o [B, S, H, hd] -> [B, S, G * o_lora_rank]: head group g (heads gH/G..) through its own [R, H/G * hd]."""
@@ -288,11 +282,4 @@ class Attention(nn.Module):
         x = o.reshape(bsz * seqlen, groups, -1).transpose(0, 1)                                # [G, N, in]
         w = self.wo_a.weight.view(groups, -1, x.shape[-1]).transpose(1, 2)                     # [G, in, R]
         return torch.bmm(x, w).transpose(0, 1).reshape(bsz, seqlen, -1)
-
-
-def _gather_rows(entries: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-    """entries [B, N, d], selected [B, s, k] (-1: none, read as row 0 and masked by the caller) -> [B, s, k, d]."""
-    bsz, s, k = selected.shape
-    idx = selected.clamp(min=0).reshape(bsz, s * k)
-    return torch.gather(entries, 1, idx[..., None].expand(-1, -1, entries.shape[-1])).view(bsz, s, k, -1)
 
