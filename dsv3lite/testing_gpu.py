@@ -181,7 +181,7 @@ def _mla_case(dtype, heads, context, sq=1, index_topk=0):
 
 def _v4_attention_case(dtype, heads, entries, topk, sq=1):
     """V4 decode attention at V4's widths: the 131-row window ring, `entries` compressed rows (CSA: `topk` picked
-    per query; HCA: topk 0, all visible)."""
+    per query; HCA: topk 0, all visible; none: a sliding layer)."""
     def run(device="cpu"):
         import torch
 
@@ -190,7 +190,7 @@ def _v4_attention_case(dtype, heads, entries, topk, sq=1):
         dt, dim, window = getattr(torch, dtype), V4["head_dim"], V4["window"]
         q = torch.empty(1, sq, heads, dim, dtype=dt, device=device)
         ring = torch.empty(1, window + 3, dim, dtype=dt, device=device)
-        ent = torch.empty(1, entries, dim, dtype=dt, device=device)
+        ent = torch.empty(1, entries, dim, dtype=dt, device=device) if entries else None
         idx = torch.zeros(1, sq, topk, dtype=torch.int32, device=device) if topk else None
         sink = torch.zeros(heads, dtype=torch.float32, device=device)
         v4_decode_attention(q, ring, 128 * entries, window, sink, dim ** -0.5, ent, idx, ratio=4 if topk else 128)
@@ -256,6 +256,7 @@ def _cases() -> dict:
     for dt in DTYPES:
         cases[f"v4attn {dt} Flash CSA 64K"] = (_v4_attention_case(dt, V4["heads"], 16384, V4["index_topk"]), every)
     cases["v4attn bfloat16 Flash HCA 1M"] = (_v4_attention_case("bfloat16", V4["heads"], 8192, 0), every)
+    cases["v4attn bfloat16 Flash sliding"] = (_v4_attention_case("bfloat16", V4["heads"], 0, 0), every)
     cases["v4attn bfloat16 Pro CSA verify"] = (_v4_attention_case("bfloat16", 128, 16384, 1024, sq=4), every)
     for fmt in ("int4", "fp8"):
         for dt, m in DECODE_SHAPES:

@@ -140,7 +140,7 @@ def _v4_decode_split_kernel(
     stride_lb, stride_lr, stride_ls,   # partial lse [B, Sq*H, splits]
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPARSE: tl.constexpr,              # entries named by each query's index list, else w < (p + 1) // RATIO
-    RATIO: tl.constexpr,               # the compression ratio (a constexpr: a runtime divisor cost sm_86 a stack frame)
+    RATIO: tl.constexpr,               # the compression ratio (4 or 128: a shift)
     UPCAST: tl.constexpr,              # fp32 dot operands (interpreter: its bf16 dot is wrong)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -198,8 +198,7 @@ def _v4_decode_split_kernel(
 
     # a split without keys (or a padded head) stores out 0 and lse -inf, which the merge weighs as 0
     has = l_i > 0.0
-    # one reciprocal a row, without IEEE division's slow-path call (its saved registers spilled on sm_86 / sm_89)
-    out = acc * tl.fdiv(1.0, tl.where(has, l_i, 1.0), ieee_rounding=False)[:, None]
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     rows_out = query * num_heads + heads
     tl.store(part_out_ptr + b * stride_ob + rows_out[:, None] * stride_or + split * stride_os + offs_d[None, :],
