@@ -176,7 +176,7 @@ def _load_tile(it, live, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, z_ptr, s
                          other=0.0)
             xb = tl.load(x_ptr + (x_off[:, None] + (k_lo + HALF)[None, :]),
                          mask=x_ok[:, None] & (k_lo + HALF < k_in)[None, :], other=0.0)
-        else:          # int4g32, mxfp4: byte c of the row, elements 2c and 2c + 1: x read whole, split into even and odd
+        else:          # int4g32, mxfp4: byte c of the row holds elements 2c and 2c + 1: x read whole, split in two
             k = it * BLOCK_K + tl.arange(0, BLOCK_K)       # (two strided reads of x cost ~40 registers more)
             xk = tl.load(x_ptr + (x_off[:, None] + k[None, :]), mask=x_ok[:, None] & (k < k_in)[None, :], other=0.0)
             xa, xb = tl.split(tl.reshape(xk, [xk.shape[0], BLOCK_K // 2, 2]))

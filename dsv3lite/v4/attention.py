@@ -206,7 +206,10 @@ class Attention(nn.Module):
         q = unweighted_rms(self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim), self.args.rms_norm_eps)
         q = apply_rope(q, cos[:, None], sin[:, None])
         kv = apply_rope(self.kv_norm(self.wkv(a)), cos, sin)                  # [B, S, hd]: key and value
-        keys, states = self._window_keys(kv, start, cache)
+        # decode through the Triton kernel where kernels run: it reads the window straight from the ring
+        kernel = cache is not None and seqlen <= MAX_QUERIES and cache.window.kv.dtype == q.dtype and \
+            dispatch.use_kernels(q.device)
+        keys, states = self._window_keys(kv, start, cache, gather=not kernel)
         entries = selected = None
         if self.compressor is not None:
             entries = self.compressor.update(a, start, states["compressor"], self.compress_rotary)
@@ -214,9 +217,7 @@ class Attention(nn.Module):
                 index_keys = self.indexer.compressor.update(a, start, states["indexer"], self.compress_rotary)
                 if entries.shape[1] > self.indexer.topk:   # else every visible entry is picked: the causal mask
                     selected = self.indexer.select(a, qr, positions, index_keys, self.compress_rotary)
-        if cache is not None and seqlen <= MAX_QUERIES and cache.window.kv.dtype == q.dtype and \
-                dispatch.use_kernels(q.device):
-            # decode: the Triton kernel reads the window straight from the ring (kernels/v4_attention.py)
+        if kernel:
             out = v4_decode_attention(q, cache.window.kv, start, self.window, self.attn_sink, self.head_dim ** -0.5,
                                       entries, None if selected is None else selected.to(torch.int32), self.ratio)
         else:
@@ -224,8 +225,9 @@ class Attention(nn.Module):
         out = apply_rope(out, cos[:, None], -sin[:, None])                   # back to offsets p - j
         return self.wo_b(self._grouped_wo_a(out))
 
-    def _window_keys(self, kv: torch.Tensor, start: int, cache: SlidingCache | None):
-        """(the window's keys [B, n_prior + S, hd] for positions start - n_prior.., compressor states)."""
+    def _window_keys(self, kv: torch.Tensor, start: int, cache: SlidingCache | None, gather: bool = True):
+        """(the window's keys [B, n_prior + S, hd] for positions start - n_prior.. (None without `gather`: only
+        the ring is written), compressor states)."""
         seqlen = kv.shape[1]
         if cache is None:
             if start and self.compressor is not None:
@@ -241,9 +243,9 @@ class Attention(nn.Module):
             return kv, states
         cache.begin_write(start, seqlen)
         n_prior = min(start, self.window - 1)
-        prior = cache.window.read(start - n_prior, start).to(kv.dtype)
+        prior = cache.window.read(start - n_prior, start).to(kv.dtype) if gather else None
         cache.window.write(kv, start)
-        return torch.cat((prior, kv), dim=1), cache.compressors
+        return (torch.cat((prior, kv), dim=1) if gather else None), cache.compressors
 
     def _attend(self, q, start, positions, keys, entries, selected):
         """Softmax over (window keys, visible or selected entries) and the sink, per query; V = K. Queries go in
