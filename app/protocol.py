@@ -10,6 +10,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from dsv3lite.sampling import SEED_RANGE
+
 MAX_STOP_STRINGS = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -36,7 +38,8 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> APIErro
 @dataclass
 class GenerationRequest:
     """A validated chat or completion request."""
-    sampling: dict                            # max_tokens, temperature, top_p, top_k, seed, stop
+    sampling: dict                            # max_tokens (None: the context's room), temperature, top_p, top_k,
+                                              # seed, stop
     stream: bool = False
     include_usage: bool = False
     messages: list[dict] | None = None        # chat
@@ -76,6 +79,16 @@ def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False):
     return float(v)
 
 
+def _text(value: str, param: str) -> str:
+    """A request string that has a UTF-8 form (JSON may escape a lone surrogate such as \\ud800, which has none)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(param, f"'{param}' is not valid Unicode: it holds a lone surrogate "
+                         f"(\\u{ord(value[e.start]):04x}) at character {e.start}", "invalid_unicode") from None
+    return value
+
+
 def _bool(body: dict, name: str) -> bool | None:
     v = body.get(name)
     if v is not None and not isinstance(v, bool):
@@ -88,11 +101,11 @@ def _stop(body: dict) -> list[str]:
     if v is None:
         return []
     if isinstance(v, str):
-        return [v]
+        return [_text(v, "stop")]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
         if len(v) > MAX_STOP_STRINGS:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
-        return v
+        return [_text(s, "stop") for s in v]
     raise bad("stop", "'stop' must be a string or a list of strings", "invalid_type")
 
 
@@ -122,11 +135,11 @@ def _common(body: dict, defaults: dict, model_id: str) -> GenerationRequest:
     max_tokens = _int(body, "max_tokens", lo=1)
     max_completion = _int(body, "max_completion_tokens", lo=1)
     sampling = {
-        "max_tokens": max_completion or max_tokens or defaults.get("max_tokens", 256),
+        "max_tokens": max_completion or max_tokens or defaults.get("max_tokens"),    # None: up to the context
         "temperature": _pick(_number(body, "temperature", 0.0, 2.0), defaults.get("temperature", 0.0)),
         "top_p": _pick(_number(body, "top_p", 0.0, 1.0, lo_open=True), defaults.get("top_p", 1.0)),
         "top_k": _pick(_int(body, "top_k", lo=0), defaults.get("top_k", 0)),
-        "seed": _pick(_int(body, "seed"), defaults.get("seed")),
+        "seed": _pick(_int(body, "seed", *SEED_RANGE), defaults.get("seed")),
         "stop": _stop(body),
     }
     stream = bool(_bool(body, "stream"))
@@ -147,12 +160,12 @@ def _text_content(content, index: int, role: str) -> str:
             return ""
         raise bad(f"messages[{index}].content", f"messages[{index}] ({role}) has no content")
     if isinstance(content, str):
-        return content
+        return _text(content, f"messages[{index}].content")
     if isinstance(content, list):
         parts = []
         for part in content:
             if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
+                parts.append(_text(part["text"], f"messages[{index}].content"))
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise bad(f"messages[{index}].content", f"only text content is supported, got a {kind!r} part")
@@ -182,7 +195,7 @@ def parse_chat(body, defaults: dict, model_id: str) -> GenerationRequest:
             raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
         msg = {"role": "system" if role == "developer" else role, "content": _text_content(m.get("content"), i, role)}
         if isinstance(m.get("reasoning_content"), str):
-            msg["reasoning_content"] = m["reasoning_content"]
+            msg["reasoning_content"] = _text(m["reasoning_content"], f"messages[{i}].reasoning_content")
         out.append(msg)
     req.messages = out
     return req
@@ -205,6 +218,8 @@ def parse_completion(body, defaults: dict, model_id: str, vocab_size: int) -> Ge
     elif not isinstance(prompt, str):
         raise bad("prompt", "'prompt' must be a string or a list of token ids (one prompt per request)",
                   "invalid_type")
+    else:
+        _text(prompt, "prompt")
     req.prompt = prompt
     return req
 

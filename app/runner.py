@@ -26,6 +26,7 @@ class Job:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.stopped = False                  # cancelled by a shutdown (not by its client)
         self.status = "queued"                # queued | running | done | cancelled | failed
         self.error: BaseException | None = None
         self.stats: dict | None = None        # engine.stats() right after this job
@@ -37,6 +38,17 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def outcome(self) -> str:
+        """done | failed | cancelled (its client went away) | stopped (a shutdown), as soon as it is known; a job
+        whose client left before it finished counts as cancelled even while the worker is still closing it."""
+        if self.error is not None:
+            return "failed"
+        if self.stopped:
+            return "stopped"
+        if self.finish_reason is not None:
+            return "done"
+        return "cancelled" if self.cancelled.is_set() else self.status
 
     def _put(self, item) -> None:
         try:
@@ -112,6 +124,12 @@ class EngineRunner:
     def submit(self, place: int, start: Callable[[], Iterator[Chunk]]) -> Job:
         job = Job(start, asyncio.get_running_loop())
         with self._cv:
+            if self._closed:                  # stopping: the job ends at once (see stop)
+                self._line.pop(place, None)
+                job.stopped = True
+                job.cancel()
+                job._put(_END)
+                return job
             self._line[place] = job
             self._cv.notify_all()
         return job
@@ -130,16 +148,25 @@ class EngineRunner:
         with self._cv:
             return sum(1 for v in self._line.values() if v is not None)
 
-    def close(self) -> None:
-        """Cancel everything queued or running and stop the worker."""
+    def stop(self) -> None:
+        """A shutdown, without waiting: queued jobs end now and the running one at its next token, each marked
+        `stopped` (their responses say the server is shutting down); later submissions end at once."""
         with self._cv:
             self._closed = True
             for item in self._line.values():
                 if isinstance(item, Job):
+                    item.stopped = True
                     item.cancel()
+                    item._put(_END)
+            self._line.clear()
+            if self.current is not None:
+                self.current.stopped = True
+                self.current.cancel()
             self._cv.notify_all()
-        if self.current is not None:
-            self.current.cancel()
+
+    def close(self) -> None:
+        """Cancel everything queued or running and stop the worker."""
+        self.stop()
         self._thread.join(timeout=10)
         if self.routing is not None:
             self.routing.close()
@@ -164,6 +191,7 @@ class EngineRunner:
                     del self._line[self._next]
                     self._next += 1
                     if item is not None:
+                        self.current = item       # under the lock: stop() finds it queued or current
                         return item
                     continue
                 self._cv.wait()
@@ -178,9 +206,9 @@ class EngineRunner:
         if job.cancelled.is_set():
             job.status = "cancelled"
             self.counters["cancelled"] += 1
+            self.current = None
             job._put(_END)
             return
-        self.current = job
         job.status = "running"
         job.t_start = time.perf_counter()
         if self.routing is not None:

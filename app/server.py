@@ -18,13 +18,14 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import signal
 import socket
 import sys
 import threading
 import time
 import traceback
 
-from dsv3lite.errors import UserError
+from dsv3lite.errors import ModelFault, UserError
 from dsv3lite.generate import SamplingParams
 
 try:
@@ -40,8 +41,11 @@ from .protocol import (APIError, chat_chunk, chat_response, completion_response,
 from .reasoning import ReasoningSplitter, prompt_opens_reasoning, split_reasoning, uses_reasoning
 from .runner import EngineRunner
 
-MAX_BODY_BYTES = 1 << 20          # larger request bodies get 413
+MAX_BODY_BYTES = 1 << 20          # larger request bodies get 413 (serve --max-body)
 DRAIN_LIMIT = 64 << 20            # an oversized body is read and discarded up to this, so the client sees the 413
+
+
+SHUTDOWN = APIError(503, "the server is shutting down: this reply was cut short", code="server_shutdown")
 
 
 def model_name(engine) -> str:
@@ -69,11 +73,14 @@ async def read_json(request: Request, limit: int):
         elif size > DRAIN_LIMIT:
             break
     if size > limit or (declared.isdigit() and int(declared) > limit):
-        raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        raise APIError(413, f"the request body is larger than {limit} bytes (the server's --max-body)",
+                       code="request_too_large")
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests arrays or objects too deeply", code="invalid_json") from None
 
 
 class _JobStream(StreamingResponse):
@@ -106,6 +113,9 @@ async def _cancel_on_disconnect(request: Request, job) -> None:
 def _as_api_error(e: BaseException, log) -> APIError:
     if isinstance(e, APIError):
         return e
+    if isinstance(e, ModelFault):
+        log(f"error: {e}")
+        return APIError(500, str(e), code="model_fault")
     if isinstance(e, UserError):
         code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
         return APIError(400, str(e), code=code)
@@ -117,8 +127,8 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
                system_prompt: str | None = None, reasoning: bool | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, log=None, ui_sampling: dict | None = None) -> FastAPI:
     """The FastAPI app serving `engine`. sampling: defaults for omitted request fields (max_tokens, temperature,
-    top_p, top_k, seed); ui_sampling: what the web UI's settings start at instead (e.g. chat's temperature);
-    reasoning: split <think> blocks (None: when the chat template uses them). `log` gets one line per request."""
+    top_p, top_k, seed; no max_tokens: a reply runs until it stops or fills the context); ui_sampling: what the
+    web UI's settings start at instead (e.g. chat's temperature); reasoning: split <think> blocks (None: when the chat template uses them). `log` gets one line per request."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     defaults = dict(sampling or {})
     model_id = model_name(engine)
@@ -187,7 +197,7 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
         try:
             body = await read_json(request, max_body_bytes)
             req = parse(body)
-            SamplingParams(**req.sampling)                       # the engine's own checks, before queueing
+            SamplingParams(**{**req.sampling, "max_tokens": req.sampling["max_tokens"] or 1})   # the engine's checks
             ids, extra = await asyncio.to_thread(encode, req)
             if not ids:
                 raise APIError(400, "the prompt is empty", "prompt")
@@ -195,6 +205,8 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
                 raise APIError(400, f"the prompt is {len(ids)} tokens but the context holds {engine.ctx_size} "
                                f"(shorten the prompt, or restart the server with a larger --ctx-size)",
                                "messages" if req.messages is not None else "prompt", "context_length_exceeded")
+            if req.sampling["max_tokens"] is None:                # as llama-server and ollama: to the context
+                req.sampling["max_tokens"] = engine.ctx_size - len(ids)
             return place, req, ids, extra
         except BaseException as e:
             runner.drop(place)
@@ -248,7 +260,9 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
                 delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
                 if delta:
                     yield _sse(chat_chunk(rid, created, model_id, delta, with_usage_field=req.include_usage))
-        if finish is None:                # cancelled (shutdown): end without a finish
+        if finish is None:                # cancelled: by the client (gone), or by a shutdown (told, then [DONE])
+            for event in _stopped(job):
+                yield event
             return
         yield _sse(chat_chunk(rid, created, model_id, {}, finish, with_usage_field=req.include_usage))
         if req.include_usage:
@@ -275,10 +289,18 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
                 yield _sse(completion_response(rid, created, model_id, chunk.text, finish, None,
                                                obj_usage=req.include_usage))
         if finish is None:
+            for event in _stopped(job):
+                yield event
             return
         if req.include_usage:
             yield _sse(usage_chunk(rid, created, model_id, "text_completion", usage_of(job, ids, n)))
         yield "data: [DONE]\n\n"
+
+    def _stopped(job):
+        """The end of a stream that a shutdown cut short: an error event, then [DONE]."""
+        if job.stopped:
+            yield _sse(SHUTDOWN.body())
+            yield "data: [DONE]\n\n"
 
     def _event_stream(job, events):
         async def guarded():
@@ -309,7 +331,7 @@ def create_app(engine, *, api_key: str | None = None, ui: bool = True, sampling:
             watcher.cancel()
             job.cancel()
         if finish is None:
-            raise APIError(503, "the generation was cancelled", code="cancelled")
+            raise SHUTDOWN if job.stopped else APIError(503, "the generation was cancelled", code="cancelled")
         return build("".join(text), finish, n)
 
     @v1.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
@@ -369,8 +391,9 @@ def _access_line(scope, status, seconds: float, state: dict) -> str:
     job = state.get("job")
     if job is not None:
         line += f" {job.tokens} tok"
-        if job.status in ("cancelled", "failed"):
-            line += f" ({job.status})"
+        outcome = job.outcome()
+        if outcome != "done":
+            line += f" ({outcome})"
         if job.unknown_tokens:
             line += f" ({job.unknown_tokens} ids past the tokenizer's vocabulary)"
     line += f" {seconds:.2f}s"
@@ -410,12 +433,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(app, on_started=None):
+def _uvicorn_server(app, on_started=None, on_signal=None):
+    """uvicorn's server. On SIGINT or SIGTERM it stops gracefully: `on_signal(name)`, the runner cuts its replies
+    short (streams end with an error event and [DONE]), and the process then exits normally instead of re-raising
+    the signal."""
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             if self.started and on_started is not None:
                 on_started()
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                if on_signal is not None:
+                    on_signal(signal.Signals(sig).name)
+                app.state.runner.stop()
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
 
     return Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
                                  lifespan="on"))
@@ -423,7 +457,7 @@ def _uvicorn_server(app, on_started=None):
 
 def serve(load_engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, ui: bool = True,
           sampling: dict | None = None, system_prompt: str | None = None, log=None,
-          ui_sampling: dict | None = None) -> None:
+          ui_sampling: dict | None = None, max_body_bytes: int | None = None) -> None:
     """Bind, load the engine (load_engine()), print where to go, serve until Ctrl-C (one log line per request)."""
     import click
 
@@ -438,7 +472,7 @@ def serve(load_engine, host: str = "127.0.0.1", port: int = 8000, api_key: str |
     port = sock.getsockname()[1]
     engine = load_engine()
     app = create_app(engine, api_key=api_key, ui=ui, sampling=sampling, system_prompt=system_prompt, log=log,
-                     ui_sampling=ui_sampling)
+                     ui_sampling=ui_sampling, max_body_bytes=max_body_bytes or MAX_BODY_BYTES)
     if not is_loopback(host):
         log(f"warning: listening on {host}, reachable from other machines"
             + ("" if api_key else "; anyone who can reach it can use the model (consider --api-key)"))
@@ -451,10 +485,10 @@ def serve(load_engine, host: str = "127.0.0.1", port: int = 8000, api_key: str |
                    + (f", web UI: {url}/" if ui else "") + ")  Ctrl-C stops")
         sys.stdout.flush()
 
-    try:
-        _uvicorn_server(app, announce).run(sockets=[sock])
-    except KeyboardInterrupt:             # uvicorn shuts down gracefully, then hands Ctrl-C on
-        pass
+    def on_signal(name):
+        log(f"{name}: stopping (replies in flight end with an error event)")
+
+    _uvicorn_server(app, announce, on_signal).run(sockets=[sock])
     log("server stopped")
 
 

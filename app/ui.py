@@ -244,7 +244,8 @@ def build_ui(runner, *, model_id: str, sampling: dict | None = None, system_prom
                     temperature = gr.Slider(0.0, 2.0, value=float(sampling.get("temperature", 0.0)), step=0.05,
                                             label="Temperature (0 = greedy)")
                     top_p = gr.Slider(0.01, 1.0, value=float(sampling.get("top_p", 1.0)), step=0.01, label="Top-p")
-                    max_tokens = gr.Slider(1, max(ctx - 1, 1), value=min(int(sampling.get("max_tokens", 256)), ctx - 1),
+                    max_tokens = gr.Slider(1, max(ctx - 1, 1),
+                                           value=min(int(sampling.get("max_tokens") or ctx - 1), ctx - 1),
                                            step=1, label="Max tokens")
                     mtp = gr.Checkbox(value=engine.mtp_enabled, interactive=has_mtp,
                                       label="MTP speculative decoding" + ("" if has_mtp else

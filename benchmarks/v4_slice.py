@@ -31,9 +31,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     from dsv3lite.kernels import cpu_build
-    from dsv3lite.testing_v4 import v4_flash_slice_config, write_v4_official
+    from dsv3lite.testing_v4 import load_v4, v4_flash_slice_config, write_v4_official
     from dsv3lite.v4.cache import new_cache
-    from dsv3lite.v4.loader import load_v4
 
     torch.set_num_threads(args.threads)
     path = Path(args.dir)

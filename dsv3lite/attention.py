@@ -16,6 +16,7 @@ from .cache import LatentCache, Positions
 from .config import ModelArgs
 from .kernels.mla_decode import mla_attend
 from .layers import Linear, RMSNorm, as_dtype, inference_views
+from .limits import INDEX_SCORE_ELEMENTS
 
 # q_a_layernorm / kv_a_layernorm use 1e-6 whatever the config says (as the hub code and transformers do)
 _LATENT_NORM_EPS = 1e-6
@@ -85,7 +86,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 # --- attention ---------------------------------------------------------------------------------------
 
-INDEX_SCORE_ELEMENTS = 1 << 24   # indexer scores [queries, index heads, keys] (fp32) computed at once in a prefill
 
 
 class Indexer(nn.Module):

@@ -9,6 +9,7 @@ import torch
 
 from .config import ModelArgs
 from .errors import UserError
+from .family import family_of
 from .utils import checkpoint_dir, format_bytes, resolve_device, resolve_dtype
 
 DEFAULT_CTX_SIZE = 4096
@@ -31,7 +32,6 @@ def kernel_blobs_at_load(args: ModelArgs, experts: str | None, device: torch.dev
     with the Triton kernels, for the fused MoE kernel: a decode step then reads no routing back to the host (one
     CUDA graph a step, graphs.py), and the experts take the bytes the --gpu-mem plan counted for them (an FP8
     checkpoint's dense experts would be bf16, twice its fp8 blobs)."""
-    from .footprint import footprint
     from .generate import SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
     from .kernels import cpu_build, dispatch
 
@@ -39,7 +39,7 @@ def kernel_blobs_at_load(args: ModelArgs, experts: str | None, device: torch.dev
         return None
     if device.type == "cuda":
         return "the fused MoE kernel" if dispatch.use_kernels(device) else None
-    large = footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
+    large = family_of(args).footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS
     return "the CPU expert kernel" if device.type == "cpu" and large and cpu_build.library() is not None else None
 
 
@@ -60,13 +60,14 @@ def resident_experts(source, args: ModelArgs, experts: str | None, kernel: str |
     if not (kernel and not source.mapped):
         source = source.cached(log)               # --experts on an HF checkpoint: its expert cache on disk
     cap = resident_cap(source, args, device, cpu_mem, log)
-    if kernel and not source.mapped:
+    if kernel and not source.mapped and not source.released:
         log(f"routed experts as {source.fmt.name} blobs for {kernel} (--experts int4 | fp8 to quantize)")
     elif source.released:
         log(f"repacking the checkpoint's {source.fmt.name} routed experts into blobs at load (as released)")
     elif not source.mapped:
         log(f"quantizing routed experts to {source.fmt.name} at load")
-    return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout, cap)
+    limit = family_of(args).swiglu_limit(args)
+    return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout, cap, limit)
 
 
 def resident_cap(source, args: ModelArgs, device: torch.device, cpu_mem: int | None, log):
@@ -95,7 +96,7 @@ def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.d
     does not fit `budget` (too small for the resident set and the minimum of expert slots): "fp8" for an FP8
     checkpoint (128x128 blocks) whose plan fits with them kept in fp8, said in one log line; failing that, a note
     when --dense int4 would fit (the budget error follows). Else None."""
-    if dense is not None or device.type != "cuda":
+    if dense is not None or device.type != "cuda" or not family_of(args).packs_dense:
         return dense
     from .offload.setup import plan_for
 
@@ -121,21 +122,40 @@ def choose_dense(root: Path, args: ModelArgs, dense: str | None, device: torch.d
     return None
 
 
+def load_network(weights, device="cpu", dtype=torch.float32, progress: bool = False, log=None, mtp: bool = True):
+    """The network of a checkpoint as dsv3lite.load builds it resident, without an engine: its family's loader, the
+    routed experts as a resident run serves them (a quantized directory's blobs; a checkpoint's released format,
+    e.g. Kimi's int4 or DeepSeek-V4's MXFP4, repacked as stored and clamped as its family says; else dense)."""
+    from .experts import BlobExperts, expert_source
+
+    root, dev = resolve_weights(weights), resolve_device(device)
+    args = ModelArgs.from_dir(root)
+    family = family_of(args)
+    source = expert_source(root, args, None, blobs_required=False)
+    provider = None
+    if source is not None and (source.mapped or source.released):
+        limit = family.swiglu_limit(args)
+        provider = lambda layer: BlobExperts(source.layer_blobs(layer).to(dev), source.fmt, source.layout,  # noqa: E731
+                                             limit=limit)
+    return family.loader(root, dev, dtype, progress=progress, log=log).load(args, expert_provider=provider, mtp=mtp)
+
+
 def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size: int | None = None, mtp: bool = True,
                  experts=None, cpu_mem=None, progress: bool = True, log=None, dense=None, **options):
     """See dsv3lite.load. options: the OffloadOptions fields (lookahead, miss_policy, cache_policy), the MTP
-    settings num_draft_tokens, mtp_adaptive, and cuda_graphs (False: decode steps eagerly on a GPU). dense: the
+    settings num_draft_tokens, mtp_adaptive, cuda_graphs (False: decode steps eagerly on a GPU) and threads
+    (thread_policy_for). dense: the
     non-expert weights packed to this dtype while loading (dense.py; on CUDA an FP8 checkpoint that needs it gets
     fp8, `choose_dense`)."""
     from .dense import PackedLinear, check_dense
     from .experts import expert_source
     from .generate import Engine
-    from .loader import Loader
     from .offload.options import OffloadOptions
     from .tokenizer import Tokenizer
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     offload_options = OffloadOptions.take({**options, "cpu_mem": cpu_mem})
+    threads = options.pop("threads", None)
     engine_options = {k: options[k] for k in ("num_draft_tokens", "mtp_adaptive", "cuda_graphs") if k in options}
     unknown = set(options) - set(engine_options) - {f for f in OffloadOptions.__dataclass_fields__}
     if unknown:
@@ -144,7 +164,11 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     check_dense(dense, dev)
-    args = ModelArgs.from_dir(root)
+    thread_policy = thread_policy_for(threads, dev)
+    args = ModelArgs.from_dir(root)           # the family's args (family.py)
+    family = family_of(args)
+    if dense is not None and not family.packs_dense:
+        raise UserError(f"--dense is not supported for {family.name} checkpoints yet")
     if ctx_size is None:                       # the default: 4096, or less when the model is shorter
         ctx_size = min(DEFAULT_CTX_SIZE, args.max_position_embeddings)
     ctx_size = int(ctx_size)
@@ -175,7 +199,8 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
                                 dense=dense, source=source)
     provider = offload.provider if offload is not None else \
         resident_experts(source, args, experts, kernel, dev, log, offload_options.cpu_mem_bytes)
-    model = Loader(root, dev, dt, progress=progress, log=log, dense=dense).load(args, expert_provider=provider, mtp=mtp)
+    model = family.loader(root, dev, dt, progress=progress, log=log, dense=dense).load(args, expert_provider=provider,
+                                                                                       mtp=mtp)
     packed = sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
     if offload is not None:
         offload.attach(model)
@@ -183,4 +208,14 @@ def build_engine(weights=None, device="auto", gpu_mem=None, dtype=None, ctx_size
     log(f"loaded {root.name or root} in {time.perf_counter() - t0:.1f}s: {format_bytes(n_bytes)} on {dev} as "
         f"{str(dt).replace('torch.', '')}")
     return Engine(model, tokenizer, dev, dt, ctx_size=ctx_size, mtp=mtp, weights=str(root), log=log,
-                  offload=offload, **engine_options)
+                  offload=offload, threads=thread_policy, **engine_options)
+
+
+def thread_policy_for(threads: int | None, device: torch.device):
+    """threads (--threads): fixed at N, applied to every parallel region from now on; None: torch's count, and on
+    a CPU-only run decode steps adapt it when other programs take cores (threads.ThreadPolicy)."""
+    from . import threads as thread_rules
+
+    if threads is not None:
+        thread_rules.apply(thread_rules.resolve(threads))
+    return thread_rules.ThreadPolicy(torch.get_num_threads(), adaptive=threads is None and device.type == "cpu")

@@ -137,9 +137,9 @@ class ModelCache:
         for layer in self.layers[:self.n_main] if main else self.layers:
             layer.truncate(length)
 
-    def keepable(self, length: int) -> int:
-        """The longest prefix of at most `length` tokens every layer can keep."""
-        for layer in self.layers:
+    def keepable(self, length: int, main: bool = False) -> int:
+        """The longest prefix of at most `length` tokens every layer (main: every main layer) can keep."""
+        for layer in self.layers[:self.n_main] if main else self.layers:
             length = min(length, layer.keepable(length))
         return length
 

@@ -7,58 +7,25 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
 
-from .errors import UserError
+from .console import console, dim, input_text, log, unknown_ids_note
+from .errors import Terminated, UserError
 from .offload.options import MISS_POLICIES, OffloadOptions
 from .offload.policy import POLICIES
-from .footprint import DENSE_DTYPES, DENSE_WEIGHT_BYTES
-from .quant.formats import FORMATS
-from .quant.int4 import GROUP_SIZES
+from .footprint import DENSE_DTYPES
+from .quant.table import FORMATS, INT4_GROUP_SIZES as GROUP_SIZES
 from .stats import summary
-from .utils import format_bytes, format_count, parse_size
+from .utils import format_bytes, format_count, parse_size, write_problem
 
 OFFLOAD_DEFAULTS = OffloadOptions()
 
 EXIT_USER = 2
-
-
-class _Console:
-    """stderr lines that arrive while a reply streams to stdout (engine notes such as "MTP speculation turned
-    off") are held back and printed on their own line once the stream has ended its line."""
-
-    def __init__(self):
-        self.streaming = False
-        self.held: list[str] = []
-
-    def log(self, msg: str) -> None:
-        if self.streaming:
-            self.held.append(msg)
-        else:
-            click.echo(msg, err=True)
-
-    @contextlib.contextmanager
-    def stream(self):
-        """The block streams a reply to stdout; it ends with the reply's newline, then the held lines follow."""
-        self.streaming = True
-        try:
-            yield
-        finally:
-            self.streaming = False
-            click.echo()
-            held, self.held = self.held, []
-            for msg in held:
-                click.echo(msg, err=True)
-
-
-_console = _Console()
-
-
-def log(msg: str) -> None:
-    _console.log(msg)
 
 
 class SizeParam(click.ParamType):
@@ -77,6 +44,19 @@ class SizeParam(click.ParamType):
 
 
 SIZE = SizeParam()
+
+
+THREADS_OPTION = click.option(
+    "--threads", "-t", type=click.IntRange(min=1), default=None,
+    help="Threads of every parallel region (torch, the CPU kernels, the offloading CPU worker).  [default: the "
+         "physical cores; CPU decode steps then use fewer while other programs hold cores]")
+
+
+def _set_threads(threads: int | None) -> None:
+    """--threads N, or the physical cores, for every parallel region from here on."""
+    from . import threads as thread_rules
+
+    thread_rules.apply(thread_rules.resolve(threads))
 
 
 CHAT_SAMPLING = {"temperature": 0.8, "top_p": 0.95}   # chat (terminal and web UI) samples; scripted runs are greedy
@@ -129,7 +109,9 @@ def engine_options(temp: float = 0.0, top_p: float = 1.0):
         click.option("--cache-policy", type=click.Choice(list(POLICIES)), default=OFFLOAD_DEFAULTS.cache_policy,
                      show_default=True, help="Offloading: expert-slot eviction policy."),
         click.option("--cpu-threads", type=click.IntRange(0, 4096), default=OFFLOAD_DEFAULTS.cpu_threads,
-                     help="Offloading: threads computing misses on the CPU (default 0: torch's thread count)."),
+                     help="Offloading: threads computing misses on the CPU (default 0: --threads less one, the "
+                          "main thread's)."),
+        THREADS_OPTION,
     ]
 
     def decorate(fn):
@@ -142,11 +124,13 @@ def engine_options(temp: float = 0.0, top_p: float = 1.0):
 def _engine(o: dict):
     import dsv3lite
 
+    _set_threads(o["threads"])
     return dsv3lite.load(weights=o["weights"], device=o["device"], gpu_mem=o["gpu_mem"], dtype=o["dtype"],
                          ctx_size=o["ctx_size"], mtp=o["mtp"], experts=o["experts"], cpu_mem=o["cpu_mem"],
                          dense=o["dense"], log=log, num_draft_tokens=o["num_draft_tokens"],
                          cuda_graphs=o["cuda_graphs"], lookahead=o["lookahead"],
-                         miss_policy=o["miss_policy"], cache_policy=o["cache_policy"], cpu_threads=o["cpu_threads"])
+                         miss_policy=o["miss_policy"], cache_policy=o["cache_policy"], cpu_threads=o["cpu_threads"],
+                         threads=o["threads"])
 
 
 def _sampling(o: dict) -> dict:
@@ -154,31 +138,15 @@ def _sampling(o: dict) -> dict:
                 seed=o["seed"])
 
 
-def _dim(text: str) -> str:
-    return f"\033[2m{text}\033[0m" if sys.stderr.isatty() else text
-
-
 def _stdin_text(what: str) -> str:
     """All of stdin, or a UserError when there is none to read (closed, as with `<&-`)."""
     if sys.stdin is None or sys.stdin.closed:
         raise UserError(f"{what} reads stdin, but stdin is closed")
     try:
-        return sys.stdin.read()
+        text = sys.stdin.read()
     except (OSError, ValueError) as e:
         raise UserError(f"{what} cannot read stdin: {e}") from None
-
-
-def _unknown_ids_note(ids: list[int], llm) -> str | None:
-    """A note when the model produced ids the tokenizer has no text for (they print as nothing)."""
-    if llm.tokenizer is None:
-        return None
-    vocab = llm.tokenizer.vocab_size
-    unknown = [t for t in ids if t >= vocab]
-    if not unknown:
-        return None
-    return (f"note: {len(unknown)} of the {len(ids)} generated tokens (e.g. id {unknown[0]}) are past the "
-            f"tokenizer's {vocab} tokens and print as nothing (the checkpoint's vocab_size is "
-            f"{llm.args.vocab_size})")
+    return input_text(text, "stdin")
 
 
 class _Group(click.Group):
@@ -220,7 +188,7 @@ def generate(prompt, as_json, as_chat, stop, **o):
     text, ids, finish = [], [], None
     with contextlib.ExitStack() as streaming:
         if not as_json:
-            streaming.enter_context(_console.stream())
+            streaming.enter_context(console.stream())
         try:
             for chunk in stream:
                 text.append(chunk.text)
@@ -233,69 +201,14 @@ def generate(prompt, as_json, as_chat, stop, **o):
         finally:
             stream.close()
     stats = llm.stats()
-    note = _unknown_ids_note(ids, llm)
+    note = unknown_ids_note(ids, llm)
     if note:
         log(note)
     if as_json:
         click.echo(json.dumps({"text": "".join(text), "token_ids": ids, "prompt_tokens": stats["prompt_tokens"],
                                "finish_reason": finish or "length", "stats": stats}))
     else:
-        log(_dim(summary(stats, finish or "length")))
-
-
-CHAT_HELP = """commands:
-  /exit        leave (Ctrl-D works too)
-  /clear       forget the conversation
-  /help        this text
-  \"\"\"          start or end a multi-line message
-Left/Right and the usual readline keys edit the line; Up/Down recall earlier messages (kept in
-~/.dsv3lite_history, or the file DSV3LITE_HISTORY names; DSV3LITE_HISTORY= keeps none).
-Ctrl-C stops the current reply."""
-
-HISTORY_ENV = "DSV3LITE_HISTORY"
-HISTORY_LINES = 1000
-
-
-def _line_editing():
-    """readline line editing and history for chat when stdin and stdout are a terminal. Returns a function that
-    saves the history (None when there is nothing to save)."""
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        return None
-    try:
-        import readline
-    except ImportError:                   # Python built without readline: plain input()
-        return None
-    path = os.environ.get(HISTORY_ENV)
-    path = os.path.join(os.path.expanduser("~"), ".dsv3lite_history") if path is None else path
-    if not path:
-        return None
-    readline.set_history_length(HISTORY_LINES)
-    with contextlib.suppress(OSError):
-        readline.read_history_file(path)
-
-    def save():
-        try:
-            readline.write_history_file(path)
-        except OSError as e:
-            log(f"note: could not save the chat history to {path}: {e.strerror or e}")
-    return save
-
-
-def _read_message() -> str | None:
-    """One user message; None on EOF. Lines between two '\"\"\"' form one multi-line message."""
-    line = input(">>> ")
-    if not line.strip().startswith('\"\"\"'):
-        return line
-    first = line.strip()[3:]
-    if first.endswith('\"\"\"'):
-        return first[:-3]
-    lines = [first] if first else []
-    while True:
-        more = input("... ")
-        if more.rstrip().endswith('\"\"\"'):
-            lines.append(more.rstrip()[:-3])
-            return "\n".join(lines)
-        lines.append(more)
+        log(dim(summary(stats, finish or "length")))
 
 
 @cli.command(short_help="Chat in the terminal (streaming, line editing).")
@@ -305,67 +218,10 @@ def chat(**o):
     Samples by default (--temp 0 for greedy replies)."""
     if sys.stdin is None or sys.stdin.closed:
         raise UserError("chat reads messages from stdin, but stdin is closed")
+    from .chat_repl import chat_loop
+
     llm = _engine(o)
-    base = [{"role": "system", "content": o["system_prompt"]}] if o["system_prompt"] else []
-    history = list(base)
-    save_history = _line_editing()
-    log(_dim("type /help for commands, /exit to leave"))
-    try:
-        _chat_loop(llm, o, base, history)
-    finally:
-        if save_history is not None:
-            save_history()
-
-
-def _chat_loop(llm, o: dict, base: list[dict], history: list[dict]) -> None:
-    while True:
-        try:
-            msg = _read_message()
-        except EOFError:
-            click.echo()
-            return
-        except KeyboardInterrupt:
-            click.echo()
-            log("(use /exit or Ctrl-D to leave)")
-            continue
-        cmd = msg.strip()
-        if not cmd:
-            continue
-        if cmd in ("/exit", "/quit", "/bye"):
-            return
-        if cmd == "/help":
-            click.echo(CHAT_HELP)
-            continue
-        if cmd == "/clear":
-            history[:] = base
-            llm.reset()
-            log(_dim("conversation cleared"))
-            continue
-        if cmd.startswith("/"):
-            log(f"unknown command {cmd.split()[0]} (/help lists them)")
-            continue
-        history.append({"role": "user", "content": msg})
-        reply, ids, finish = [], [], None
-        stream = llm.chat(history, **_sampling(o))
-        with _console.stream():
-            try:
-                for chunk in stream:
-                    reply.append(chunk.text)
-                    if chunk.token_id is not None:
-                        ids.append(chunk.token_id)
-                    finish = chunk.finish_reason
-                    click.echo(chunk.text, nl=False)
-                    sys.stdout.flush()
-            except KeyboardInterrupt:
-                finish = "stopped"
-                log(_dim("[stopped]"))
-            finally:
-                stream.close()
-        history.append({"role": "assistant", "content": "".join(reply)})
-        note = _unknown_ids_note(ids, llm)
-        if note:
-            log(note)
-        log(_dim(summary(llm.stats(), finish)))
+    chat_loop(llm, _sampling(o), [{"role": "system", "content": o["system_prompt"]}] if o["system_prompt"] else [])
 
 
 @cli.command(short_help="Config, parameter counts, bytes per component.")
@@ -374,70 +230,36 @@ def _chat_loop(llm, o: dict, base: list[dict], history: list[dict]) -> None:
 @click.option("--dense", type=click.Choice(DENSE_DTYPES), default=None,
               help="Count the non-expert weights as a run with --dense packs them.")
 def info(weights, as_json, dense):
-    """Config summary, parameter counts (total / active), bytes per component as stored, KV bytes per token."""
+    """Config summary, parameter counts (total / active), bytes per component as stored, KV bytes per token, and
+    the host tier of routed-expert blobs (the same code as `plan`)."""
     from .builder import resolve_weights
-    from .config import ModelArgs
-    from .footprint import footprint
-    from .quant.checkpoint import is_quantized_dir, read_manifest
+    from .family import family_of
+    from .inventory import inventory
 
     root = resolve_weights(weights)
-    a = ModelArgs.from_dir(root)
-    fp = footprint(a)
-    comps = {"embeddings": fp.embed, "lm_head": fp.head, "attention+norms": fp.attention, "dense MLPs": fp.dense_mlp,
-             "routers": fp.routers, "shared experts": fp.shared_experts, "routed experts": fp.routed_experts,
-             "MTP (non-expert)": fp.mtp_dense, "MTP routed experts": fp.mtp_routed_experts}
-    sizes = {k: v * 2 for k, v in comps.items()}          # bf16: 2 bytes per parameter
-    stored = "bf16"
-    if is_quantized_dir(root):                            # routed experts as the blobs on disk
-        m = read_manifest(root)
-        blob = m.layout.blob_bytes
-        sizes["routed experts"] = sum(1 for l in m.moe_layers if l != a.mtp_layer_id) * m.n_experts * blob
-        sizes["MTP routed experts"] = (a.mtp_layer_id in m.moe_layers) * m.n_experts * blob
-        stored = f"{m.dense_dtype} dense weights, {m.expert_format().label} routed experts"
-    elif a.released_experts:                              # routed experts as the checkpoint stores them
-        from .quant.formats import get_format
-
-        fmt = get_format(a.released_experts)
-        blob = fmt.layout(a.moe_intermediate_size, a.hidden_size).blob_bytes
-        sizes["routed experts"] = len(a.moe_layer_ids) * a.n_routed_experts * blob
-        sizes["MTP routed experts"] = (fp.mtp_routed_experts > 0) * a.n_routed_experts * blob
-        stored = f"bf16 dense weights, {fmt.label} routed experts as released"
-    if dense is not None:                                 # as PackedLinear holds them (embeddings, routers kept)
-        from .footprint import unpacked_attention_params
-
-        per = DENSE_WEIGHT_BYTES[dense]
-        kept = unpacked_attention_params(a)
-        for k in ("lm_head", "dense MLPs", "shared experts"):
-            sizes[k] = round(comps[k] * per)
-        sizes["attention+norms"] = round((fp.attention - a.num_hidden_layers * kept) * per + a.num_hidden_layers * kept * 2)
-        if fp.mtp_dense:
-            sizes["MTP (non-expert)"] = round((fp.mtp_dense - kept) * per + kept * 2)
-        stored += f"; non-expert weights packed to {dense} (--dense)"
-    host_tier = sizes["routed experts"] + sizes["MTP routed experts"]    # every routed expert blob, as stored
+    inv = inventory(root, dense)
+    a, fp, tier = inv.args, inv.footprint, inv.tier
+    family = family_of(a)
     if as_json:
         click.echo(json.dumps({"weights": str(root), "model_type": a.model_type, "total_params": fp.total,
-                               "active_params": fp.active, "components": comps, "component_bytes": sizes,
-                               "stored_as": stored, "kv_bytes_per_token": a.kv_bytes_per_token,
-                               "host_tier_bytes": host_tier}))
+                               "active_params": fp.active, "components": inv.params, "component_bytes": inv.bytes,
+                               "stored_as": inv.stored, "kv_bytes_per_token": a.kv_bytes_per_token,
+                               "host_tier_bytes": inv.host_tier_bytes, "expert_format": tier.source.fmt.name,
+                               "mtp_layer": tier.with_mtp, **family.info_json(a)}))
         return
-    moe = a.moe_layer_ids
-    click.echo(f"{root}\n  model_type {a.model_type}: {a.num_hidden_layers} layers ({len(moe)} MoE), hidden {a.hidden_size}, "
-               f"{a.num_attention_heads} heads, vocab {a.vocab_size}")
-    click.echo(f"  MLA: q_lora_rank {a.q_lora_rank}, kv_lora_rank {a.kv_lora_rank}, rope {a.qk_rope_head_dim} "
-               f"({a.rope_type}{f' x{a.rope_factor:g}' if a.rope_type == 'yarn' else ''}), softmax scale {a.softmax_scale:.6f}")
-    click.echo(f"  MoE: {a.n_routed_experts} routed experts of {a.moe_intermediate_size} (top-{a.num_experts_per_tok}, "
-               f"{a.scoring_func}/{a.topk_method}, groups {a.n_group}/{a.topk_group}), {a.n_shared_experts} shared")
-    click.echo(f"  MTP layers: {a.num_nextn_predict_layers}; FP8 checkpoint: {'yes' if a.fp8_block_size else 'no'}")
+    click.echo(str(root))
+    for line in family.info_lines(a, tier.with_mtp):
+        click.echo(line)
     click.echo(f"  parameters: {format_count(fp.total)} total, {format_count(fp.active)} active per token"
-               + (f" (+{format_count(fp.mtp_dense + fp.mtp_routed_experts)} MTP)" if fp.mtp_dense else ""))
-    click.echo(f"  bytes per component ({stored}):")
-    for k, v in comps.items():
+               + (f" (+{format_count(fp.mtp_dense + fp.mtp_routed_experts)} MTP)" if tier.with_mtp else ""))
+    click.echo(f"  bytes per component ({inv.stored}):")
+    for k, v in inv.params.items():
         if v:
-            click.echo(f"    {k:<20} {format_count(v):>8} params  {format_bytes(sizes[k]):>12}")
-    click.echo(f"  host tier when offloaded: {format_bytes(host_tier)} of routed-expert blobs ({stored.split(';')[0]})")
-    values = f"{a.latent_dim} latent" + (f" + {a.index_dim} indexer-key" if a.index_dim else "")
-    click.echo(f"  KV cache: {values} values/token/layer = {format_bytes(a.kv_bytes_per_token)} per token "
-               f"(bf16, {a.num_hidden_layers} layers)")
+            click.echo(f"    {k:<20} {format_count(v):>8} params  {format_bytes(inv.bytes[k]):>12}")
+    click.echo(f"  host tier when offloaded: {format_bytes(inv.host_tier_bytes)} of {tier.source.fmt.label} "
+               f"routed-expert blobs (as `plan` counts them)")
+    for line in family.kv_lines(a):
+        click.echo(line)
 
 
 @cli.command(short_help="Write an HF checkpoint with int4/fp8/nf4/bf16 experts.")
@@ -456,11 +278,13 @@ def info(weights, as_json, dense):
                    "The blobs are the CPU's, up to rare ties between equally good int4 ranges.")
 @click.option("--force", is_flag=True, help="Replace an existing DST.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from DST.partial/.")
-def quantize(src, dst, experts, group_size, dense, fast, device, force, resume):
+@THREADS_OPTION
+def quantize(src, dst, experts, group_size, dense, fast, device, force, resume, threads):
     """Write SRC (HF checkpoint) to DST with routed experts as one packed blob each (expert-major), experts
-    quantized in parallel on every CPU thread (or on the GPU), with an ETA."""
+    quantized in parallel on --threads CPU threads (or on the GPU), with an ETA."""
     from .quant.checkpoint import quantize_checkpoint
 
+    _set_threads(threads)
     quantize_checkpoint(src, dst, experts=experts, group_size=int(group_size), dense=dense, force=force,
                         resume=resume, progress=True, log=log, fast=fast, device=device)
 
@@ -530,7 +354,7 @@ def plan(weights, gpu_mem, ctx_size, experts, device, dtype, mtp, dense):
     from .utils import resolve_device, resolve_dtype
 
     root = resolve_weights(weights)
-    dev = resolve_device(device)
+    dev = resolve_device(device, present=False)          # a plan reads no weights: any machine can plan for CUDA
     dt = resolve_dtype(dtype, dev)
     args = ModelArgs.from_dir(root)
     ctx_size = min(ctx_size or DEFAULT_CTX_SIZE, args.max_position_embeddings)
@@ -552,8 +376,9 @@ def _writable_file(path: str, what: str) -> Path:
         raise UserError(f"{what} {out} is a directory: give a file name")
     if not parent.is_dir():
         raise UserError(f"cannot write {what} {out}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise UserError(f"cannot write {what} {out}: permission denied")
+    problem = write_problem(parent) or (None if not out.exists() or os.access(out, os.W_OK) else "permission denied")
+    if problem:
+        raise UserError(f"cannot write {what} {out}: {problem}")
     return out
 
 
@@ -608,13 +433,15 @@ def trace(prompt, out, trace_lookahead, **o):
     rec = TraceRecorder(llm.model, trace_lookahead)
     stream = llm.generate(prompt, **_sampling(o))
     finish = None
-    try:
-        for i, chunk in enumerate(stream):
-            if i == 0:
-                rec.phase = "decode"              # events after the first token belong to decode steps
-            finish = chunk.finish_reason
-    finally:
-        stream.close()
+    with _token_progress(o["max_tokens"], "tracing") as advance:
+        try:
+            for i, chunk in enumerate(stream):
+                if i == 0:
+                    rec.phase = "decode"          # events after the first token belong to decode steps
+                finish = chunk.finish_reason
+                advance()
+        finally:
+            stream.close()
     a, stats = llm.args, llm.stats()
     layers = [m.layer_id for m in llm.model.moe_modules()]
     try:
@@ -630,51 +457,137 @@ def trace(prompt, out, trace_lookahead, **o):
                "routers predicted d layers ahead:")
     for line in _trace_summary(rec.events, layers, trace_lookahead, a.mtp_layer_id):
         click.echo(line)
-    click.echo(f"replay it against cache policies and sizes: python benchmarks/cache_sim.py --trace {out_path}")
+    click.echo(_replay_hint(out_path))
 
 
-def _serve(host, port, api_key, with_ui, o) -> None:
+def _replay_hint(trace_file: Path) -> str:
+    """Where the trace replayer is: benchmarks/cache_sim.py of the source tree, which an installed package lacks."""
+    sim = Path(__file__).resolve().parents[1] / "benchmarks" / "cache_sim.py"
+    if sim.is_file():
+        return f"replay it against cache policies and sizes: python {sim} --trace {trace_file}"
+    return (f"replay it against cache policies and sizes with benchmarks/cache_sim.py of the dsv3lite source tree "
+            f"(not installed with the package): python benchmarks/cache_sim.py --trace {trace_file}")
+
+
+@contextlib.contextmanager
+def _token_progress(total: int, what: str):
+    """Progress of a generation on stderr: a bar on a terminal, else a line at each quarter. Yields advance()."""
+    from tqdm import tqdm
+
+    from .utils import terminal_bar_fits
+
+    if terminal_bar_fits():
+        with tqdm(total=total, desc=what, unit="tok", file=sys.stderr, leave=False) as bar:
+            yield bar.update
+        return
+    count = [0]
+
+    def advance():
+        count[0] += 1
+        if count[0] * 4 // total > (count[0] - 1) * 4 // total:
+            log(f"{what}: {count[0]}/{total} tokens")
+    yield advance
+
+
+def _serve(host, port, api_key, with_ui, max_body, o) -> None:
     from .app.server import serve as run_server
 
     given = click.get_current_context().get_parameter_source
+    default = click.core.ParameterSource.DEFAULT
     ui_sampling = {k: v for k, v in CHAT_SAMPLING.items()                 # the web UI is a chat: it samples
-                   if given({"temperature": "temp", "top_p": "top_p"}[k]) == click.core.ParameterSource.DEFAULT}
-    run_server(lambda: _engine(o), host=host, port=port, api_key=api_key, ui=with_ui, sampling=_sampling(o),
-               ui_sampling=ui_sampling, system_prompt=o["system_prompt"], log=log)
+                   if given({"temperature": "temp", "top_p": "top_p"}[k]) == default}
+    sampling = _sampling(o)
+    if given("max_tokens") == default:          # requests without max_tokens run to the context (llama-server's way)
+        sampling["max_tokens"] = None
+    run_server(lambda: _engine(o), host=host, port=port, api_key=api_key, ui=with_ui, sampling=sampling,
+               ui_sampling=ui_sampling, system_prompt=o["system_prompt"], log=log, max_body_bytes=max_body)
+
+
+def server_options(port: int, key_help: str):
+    """--host, --port, --api-key and --max-body of serve and ui."""
+    opts = [
+        click.option("--host", default="127.0.0.1", show_default=True,
+                     help="Address to listen on (anything but loopback is reachable from other machines)."),
+        click.option("--port", type=click.IntRange(0, 65535), default=port, show_default=True,
+                     help="TCP port to listen on (0: any free port)."),
+        click.option("--api-key", default=None, help=key_help),
+        click.option("--max-body", type=SIZE, default=None,
+                     help="Largest request body (413 past it); a long prompt sent as token ids needs more.  "
+                          "[default: 1M, app/server.py's MAX_BODY_BYTES]"),
+    ]
+
+    def decorate(fn):
+        for opt in reversed(opts):
+            fn = opt(fn)
+        return fn
+    return decorate
 
 
 @cli.command(short_help="OpenAI-compatible API at /v1 and the web UI at /.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on (anything but loopback is reachable from other machines).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
-              help="TCP port to listen on (0: any free port).")
-@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 (and KEY to open the UI).")
+@server_options(8000, "Require 'Authorization: Bearer KEY' on /v1 (and KEY to open the UI).")
 @click.option("--ui/--no-ui", "with_ui", default=True, show_default=True, help="Serve the web UI at / (needs gradio).")
 @engine_options()
-def serve(host, port, api_key, with_ui, **o):
-    """OpenAI-compatible API at /v1 and the web UI at /, over one engine. --temp and --top-p are the defaults of
-    API requests that leave them out (greedy unless given); the web UI's settings start at chat's sampling."""
-    _serve(host, port, api_key, with_ui, o)
+def serve(host, port, api_key, max_body, with_ui, **o):
+    """OpenAI-compatible API at /v1 and the web UI at /, over one engine. --temp, --top-p and -m are the defaults of
+    API requests that leave them out (greedy unless given; without -m a reply runs until it stops or fills the
+    context, as llama-server's and ollama's do); the web UI's settings start at chat's sampling."""
+    _serve(host, port, api_key, with_ui, max_body, o)
 
 
 @cli.command(short_help="The web UI (port 7860), with the API alongside.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on (anything but loopback is reachable from other machines).")
-@click.option("--port", type=click.IntRange(0, 65535), default=7860, show_default=True,
-              help="TCP port to listen on (0: any free port).")
-@click.option("--api-key", default=None, help="Require KEY to open the UI and on /v1.")
+@server_options(7860, "Require KEY to open the UI and on /v1.")
 @engine_options()
-def ui(host, port, api_key, **o):
+def ui(host, port, api_key, max_body, **o):
     """The web UI in your browser (open the printed URL); the OpenAI API is served alongside at /v1."""
-    _serve(host, port, api_key, True, o)
+    _serve(host, port, api_key, True, max_body, o)
+
+
+@contextlib.contextmanager
+def _sigterm_stops():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(sig, frame):
+        raise Terminated()
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv=None) -> int:
+    """The command line: argv (default sys.argv[1:]) -> exit status. Run as the `dsv3lite` program (argv None) it
+    ends the process itself once the command is done (_exit_now)."""
+    rc = _main(argv)
+    if argv is None:
+        _exit_now(rc)
+    return rc
+
+
+def _exit_now(rc: int) -> None:
+    """Exit handlers run and output is flushed, then the process ends without the interpreter's teardown of torch
+    and its kin, which kept a finished `generate` alive 1-3 s after its last line."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(rc)
+
+
+def _main(argv) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        cli.main(args=argv, prog_name="dsv3lite", standalone_mode=False)
+        with _sigterm_stops():
+            cli.main(args=argv, prog_name="dsv3lite", standalone_mode=False)
         return 0
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as e:          # click's form of KeyboardInterrupt (Ctrl-C, or SIGTERM above)
+        if isinstance(e.__cause__, Terminated):
+            log("terminated (SIGTERM)")
+            return 128 + signal.SIGTERM
         log("aborted")
         return 130
     except click.exceptions.Exit as e:

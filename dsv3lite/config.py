@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from . import config_rules
 from .errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "deepseek_v2", "deepseek_v4")
@@ -102,14 +103,7 @@ class ModelArgs:
     mtp_layer_id: int = field(init=False)
 
     def __post_init__(self):
-        if self.n_routed_experts % max(self.n_group, 1):
-            raise UserError(f"config: n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise UserError("config: num_experts_per_tok exceeds n_routed_experts")
-        if self.scoring_func not in ("sigmoid", "softmax"):
-            raise UserError(f"config: unsupported scoring_func {self.scoring_func!r} (sigmoid or softmax)")
-        if self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
-            raise UserError(f"config: unsupported topk_method {self.topk_method!r}")
+        config_rules.check(self)               # type and range of every field read (config_rules.py's table)
         if self.model_type != "deepseek_v32":
             self.index_topk = 0
         elif self.index_topk < 1:
@@ -214,7 +208,12 @@ class ModelArgs:
             if quant.get("quant_method") != "fp8":
                 raise UserError(f"unsupported quantization_config.quant_method {quant.get('quant_method')!r} (fp8 block "
                                 f"or compressed-tensors int4 checkpoints only)")
-            kw["fp8_block_size"] = tuple(quant.get("weight_block_size") or (128, 128))
+            block = quant.get("weight_block_size") or (128, 128)
+            if not (isinstance(block, (list, tuple)) and len(block) == 2 and
+                    all(config_rules.POSITIVE_INT.problem(b) is None for b in block)):
+                raise UserError(f"config: quantization_config.weight_block_size must be two integers >= 1, got "
+                                f"{block!r}")
+            kw["fp8_block_size"] = tuple(block)
         try:
             return cls(**kw)
         except TypeError as e:
@@ -266,7 +265,7 @@ def _rope_fields(cfg: dict) -> dict:
     out = {}
     theta = rope.get("rope_theta", cfg.get("rope_theta"))
     if theta is not None:
-        out["rope_theta"] = float(theta)
+        out["rope_theta"] = theta
     rtype = rope.get("rope_type") or rope.get("type") or "default"
     if rtype not in ("default", "yarn"):
         raise UserError(f"unsupported rope type {rtype!r} (default or yarn)")
@@ -274,9 +273,15 @@ def _rope_fields(cfg: dict) -> dict:
     if rtype == "yarn":
         max_pos = cfg.get("max_position_embeddings", 4096)
         orig = rope.get("original_max_position_embeddings", 4096)
-        factor = rope.get("factor") or max_pos / orig
-        out.update(rope_factor=float(factor), original_max_position_embeddings=int(orig),
-                   beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+        factor = rope.get("factor")                   # (config_rules checks them: 0 must not become a default)
+        if factor is None and config_rules.POSITIVE_INT.problem(orig) is None and isinstance(max_pos, (int, float)):
+            factor = max_pos / orig
+        out.update(rope_factor=factor, original_max_position_embeddings=orig,
+                   beta_fast=_given(rope.get("beta_fast"), 32.0), beta_slow=_given(rope.get("beta_slow"), 1.0),
                    mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
                    rope_attention_factor=rope.get("attention_factor"))
     return out
+
+
+def _given(value, default):
+    return default if value is None else value

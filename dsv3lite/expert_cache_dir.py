@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
-from .utils import cache_root, format_bytes
+from .utils import cache_root, format_bytes, write_problem
 
 ENV = "DSV3LITE_EXPERT_CACHE"
 OFF = ("off", "0", "none", "false")
@@ -106,10 +106,11 @@ def _locked(path: Path):
 
 def ensure(source, log, progress: bool = True):
     """The cached copy of ExpertSource `source` (an HF directory's experts in `source.fmt`): its directory and
-    manifest, written now when missing; None when the cache is off or the disk has no room (then the caller
-    quantizes at load, as before), with a line saying so."""
+    manifest, written now when missing; None when the cache is off, or cannot be written (no room, read-only, the
+    disk filling up part way: then the caller quantizes at load, as before), with a line saying so."""
     from .hf_checkpoint import mtp_status
-    from .quant.checkpoint import EXPERTS_ONLY, QuantizeInterrupted, quantize_checkpoint, read_manifest, source_hash
+    from .quant.checkpoint import (EXPERTS_ONLY, QuantizeInterrupted, QuantizeWriteFailed, quantize_checkpoint,
+                                   read_manifest, source_hash)
 
     location = cache_location()
     if location is None:
@@ -120,15 +121,20 @@ def ensure(source, log, progress: bool = True):
     args, layout = source.args, source.layout
     n_layers = len(args.moe_layer_ids) + (1 if mtp_status(index, args)[0] else 0)
     need = n_layers * args.n_routed_experts * layout.blob_bytes
+    problem = write_problem(location)
+    if problem:                                           # a read-only cache still serves what it holds
+        found = _complete(path, digest, layout, need, source.fmt, log)
+        if found is None:
+            log(f"expert cache: cannot write under {location}: {problem} ({ENV}=DIR elsewhere): quantizing at "
+                f"load instead")
+        return found
     with _locked(path.with_name(path.name + ".lock")):
+        found = _complete(path, digest, layout, need, source.fmt, log)
+        if found is not None:
+            return found
         if path.is_dir():
-            manifest = read_manifest(path)
-            if manifest.source_hash == digest and manifest.layout == layout:
-                log(f"expert cache: mapping {source.fmt.label} experts from {path} ({format_bytes(need)})")
-                return path, manifest
             shutil.rmtree(path)                           # another source or layout under the same key
         partial = path.with_name(path.name + ".partial")
-        location.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(location).free + (_size(partial) if partial.is_dir() else 0)
         if free < need * DISK_MARGIN:
             log(f"expert cache: {format_bytes(need)} of {source.fmt.label} experts do not fit in the "
@@ -143,7 +149,7 @@ def ensure(source, log, progress: bool = True):
         try:
             try:
                 write(resume=partial.is_dir())
-            except QuantizeInterrupted:
+            except (QuantizeInterrupted, QuantizeWriteFailed):
                 raise
             except UserError:
                 if not partial.is_dir():
@@ -153,7 +159,23 @@ def ensure(source, log, progress: bool = True):
         except QuantizeInterrupted:
             raise UserError(f"interrupted while writing the expert cache {path}: the next launch resumes it") \
                 from None
+        except QuantizeWriteFailed as e:
+            log(f"expert cache: {e}; quantizing at load instead (`dsv3lite cache --clear` removes what was written)")
+            return None
         return path, read_manifest(path)
+
+
+def _complete(path: Path, digest: str, layout, need: int, fmt, log):
+    """(path, manifest) of the finished cache at `path` for this source and layout (said in one line), or None."""
+    from .quant.checkpoint import read_manifest
+
+    if not path.is_dir():
+        return None
+    manifest = read_manifest(path)
+    if manifest.source_hash != digest or manifest.layout != layout:
+        return None
+    log(f"expert cache: mapping {fmt.label} experts from {path} ({format_bytes(need)})")
+    return path, manifest
 
 
 def _size(d: Path) -> int:

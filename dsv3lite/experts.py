@@ -43,8 +43,8 @@ class ExpertSource:
 
     @property
     def released(self) -> bool:
-        """True for an HF checkpoint's experts in the expert format they are stored in (compressed-tensors int4):
-        repacked, never quantized, and never served dense."""
+        """True for an HF checkpoint's experts in the expert format they are stored in (Kimi's compressed-tensors
+        int4, DeepSeek-V4's MXFP4): repacked, never quantized, and never served dense."""
         return self.manifest is None and self.fmt.name == getattr(self.args, "released_experts", None)
 
     @property
@@ -86,8 +86,8 @@ def expert_source(root: Path, args: ModelArgs, experts: str | None, blobs_requir
     format). An HF directory with `experts`: quantized to that format at load. An HF directory without: None (the
     checkpoint's dense experts), unless `blobs_required` (offloading), then blobs in the checkpoint's own
     precision (fp8 for an FP8 checkpoint, else bf16). A checkpoint whose experts are stored in an expert format of
-    their own (ModelArgs.released_experts: Kimi-K2-Thinking / K2.5's int4) has no dense experts: blobs of that
-    format, repacked as stored, unless `experts` asks for another."""
+    their own (args.released_experts: Kimi-K2-Thinking / K2.5's int4, DeepSeek-V4's MXFP4) has no dense experts: blobs
+    of that format, repacked as stored, unless `experts` asks for another."""
     from .quant.checkpoint import EXPERTS_ONLY, is_quantized_dir, read_manifest
     from .quant.formats import get_format
 
@@ -104,13 +104,6 @@ def expert_source(root: Path, args: ModelArgs, experts: str | None, blobs_requir
         return None
     fmt = get_format(experts or getattr(args, "released_experts", None) or ("fp8" if args.fp8_block_size else "bf16"))
     return ExpertSource(root, args, fmt, fmt.layout(args.moe_intermediate_size, args.hidden_size), None)
-
-
-def released_provider(root: Path, args: ModelArgs, device: torch.device):
-    """The Loader's expert provider, when none is given, for a checkpoint whose experts have no dense form
-    (ModelArgs.released_experts): each layer's blobs repacked at load, as stored."""
-    source = expert_source(root, args, None, blobs_required=True)
-    return lambda layer: BlobExperts(source.layer_blobs(layer).to(device), source.fmt, source.layout)
 
 
 class BlobExperts(nn.Module):

@@ -23,6 +23,7 @@ from .limits import ABSORB_MAX_TOKENS, LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from .offload.stats import empty_expert_cache_stats
 from .sampling import SamplingParams, sample, sampling_probs
 from .speculative import Speculator
+from .threads import ThreadPolicy
 
 
 @dataclass
@@ -114,9 +115,9 @@ SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS = 50_000_000
 
 def decode_threads(args, device: torch.device) -> int | None:
     """Intra-op threads for eager CPU decode steps: 1 for tiny models, None (torch's setting) otherwise."""
-    from .footprint import footprint
+    from .family import family_of
 
-    if device.type != "cpu" or footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS:
+    if device.type != "cpu" or family_of(args).footprint(args).active > SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS:
         return None
     return 1
 
@@ -140,7 +141,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, device: torch.device, dtype: torch.dtype, ctx_size: int = 4096,
                  mtp: bool = True, weights: str | None = None, log=None, num_draft_tokens: int = 1,
-                 mtp_adaptive: bool = True, offload=None, cuda_graphs: bool = True):
+                 mtp_adaptive: bool = True, offload=None, cuda_graphs: bool = True,
+                 threads: ThreadPolicy | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
@@ -154,7 +156,8 @@ class Engine:
         # (--no-cuda-graphs or DSV3LITE_GRAPHS=0: the eager step), on the CPU the compiled step
         self.executor = executors.choose(model, device, cuda_graphs, log=self.log)
         self._base_executor = getattr(self.executor, "fallback", self.executor)
-        self.speculator = Speculator(model, self._base_executor, mtp, num_draft_tokens, mtp_adaptive, log=self.log)
+        self.speculator = Speculator(model, self._base_executor, mtp, num_draft_tokens, mtp_adaptive, log=self.log,
+                                     on_tokens=offload.expect_tokens if offload is not None else None)
         self.lock = threading.Lock()
         self.cache: ModelCache | None = None              # every block's cache (the model's kinds), one sequence
         self.cached_tokens: list[int] = []                # tokens whose state is valid in self.cache
@@ -163,6 +166,8 @@ class Engine:
         self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
         self._kernel_step = device.type == "cpu" and cpu_decode.covers(model)
         self._eager_threads = decode_threads(self.args, device)      # the size rule, once
+        # intra-op threads of every step (threads.py): fixed, or adapting when other programs take cores
+        self.threads = threads or ThreadPolicy(torch.get_num_threads(), adaptive=False)
 
     @property
     def graphs(self):
@@ -243,7 +248,7 @@ class Engine:
             "prompt_tokens": s.prompt_tokens,
             "cached_prompt_tokens": s.cached_prompt_tokens,
             "generated_tokens": s.generated_tokens,
-            "mtp": self.speculator.stats(s.drafted, s.accepted, decode_tokens, s.main_forwards),
+            "mtp": self.speculator.stats(s.drafted, s.accepted, s.main_forwards),
             "expert_cache": expert,
             "memory": self._memory(),
             "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
@@ -288,12 +293,15 @@ class Engine:
             if a != b:
                 break
             common += 1
-        # at least one token runs, for its logits; the MTP cache and every layer's cache must be able to keep it
-        common = self.cache.keepable(self.speculator.keep(min(common, len(ids) - 1)))
+        # at least one token runs, for its logits; every main layer's cache (and the MTP block's, while it drafts)
+        # must be able to keep it; the speculator's catch-up rolls the MTP block's cache back itself
+        common = self.speculator.keep(min(common, len(ids) - 1))
+        common = self.cache.keepable(common, main=not self.speculator.enabled)
         self.speculator.keep(common)
-        self.cache.truncate(common)
+        self.cache.truncate(common, main=True)
         self.cached_tokens = self.cached_tokens[:common]
         self.last.cached_prompt_tokens = common
+        self.speculator.on_tokens(ids[common:])            # what the token ids decide is fetched before layer 0
         hiddens, logits = [], None
         for start in range(common, len(ids), LAYER_MAJOR_TOKENS):
             group = ids[start:start + LAYER_MAJOR_TOKENS]
@@ -327,12 +335,14 @@ class Engine:
             if self.offload is not None:
                 self.offload.reset_stats()
             t0 = time.perf_counter()
-            logits, hidden, start = self._prefill(ids)
-            if self.offload is not None:
-                self.offload.end_prefill()
-            stats.prefilled_tokens = len(ids) - stats.cached_prompt_tokens
-            token = sample(sampling_probs(logits, params), gen)
-            self.speculator.catch_up(self.cache, hidden, ids[start + 1:] + [token], start)
+            with intra_op_threads(self.threads.current(self.decode_threads)):
+                logits, hidden, start = self._prefill(ids)
+                if self.offload is not None:
+                    self.offload.end_prefill()
+                stats.prefilled_tokens = len(ids) - stats.cached_prompt_tokens
+                token = sample(sampling_probs(logits, params), gen)
+                self.speculator.on_tokens([token])
+                self.speculator.catch_up(self.cache, hidden, ids[start + 1:] + [token], start)
             stats.prefill_s = time.perf_counter() - t0
             stats.ttft_s = stats.prefill_s
             t_first = time.perf_counter()
@@ -346,7 +356,7 @@ class Engine:
                     if chunk.finish_reason:
                         return
                 token = new[-1]
-                with intra_op_threads(self.decode_threads):
+                with self.threads.step(self.decode_threads):
                     new = self._step(token, params, gen, stats)
 
     def _step(self, token: int, params: SamplingParams, gen, stats: RunStats) -> list[int]:

@@ -86,6 +86,25 @@ def expert_tensor_name(layer_id: int, expert: int, proj: str) -> str:
     return f"model.layers.{layer_id}.mlp.experts.{expert}.{proj}.weight"
 
 
+def expert_names(layer_id: int, expert: int) -> tuple[str, str, str]:
+    """The checkpoint names of one routed expert's gate, up and down weights (quant.layout.MATRICES' order)."""
+    return tuple(expert_tensor_name(layer_id, expert, p) for p in PROJECTIONS)
+
+
+def stored_dtype(name: str) -> str:
+    """The safetensors dtype `quantize` writes a non-expert tensor in with --dense bf16: routers fp32, else bf16."""
+    return "F32" if name.endswith(FP32_CHECKPOINT_SUFFIXES) else "BF16"
+
+
+EXPERT_BLOBS = "mlp.experts.blobs"     # a quantized directory's routed experts of layer i: model.layers.{i}.<this>
+BLOBS_SUFFIX = "." + EXPERT_BLOBS
+
+
+def blob_name(layer_id: int) -> str:
+    """The uint8 [n_experts, blob_bytes] tensor of one MoE layer's blobs in a quantized directory (quant/)."""
+    return f"model.layers.{layer_id}.{EXPERT_BLOBS}"
+
+
 def map_name(ckpt_name: str, args: ModelArgs) -> Target | None:
     """Checkpoint name -> Target; None for tensors that are deliberately not loaded (MTP copies)."""
     if ckpt_name in TOP_NAMES:
@@ -110,6 +129,33 @@ def map_name(ckpt_name: str, args: ModelArgs) -> Target | None:
     if rest in LAYER_NAMES:
         return Target(prefix + LAYER_NAMES[rest])
     return None
+
+
+def component_of(ckpt_name: str, args, names=map_name) -> str | None:
+    """The footprint component a checkpoint tensor (or its FP8 scale, or a quantized layer's expert blobs) counts
+    in: embeddings | lm_head | attention+norms | dense MLPs | routers | shared experts | routed experts |
+    MTP (non-expert) | MTP routed experts; None for a tensor the model does not read. Any family: `names` is its
+    name table (family.py's map_name), whose module names use the same words in every family."""
+    base = ckpt_name.removesuffix("_scale_inv")
+    if base.endswith(BLOBS_SUFFIX):
+        m = _LAYER_RE.match(base)
+        return "MTP routed experts" if m and int(m.group(1)) == args.mtp_layer_id else "routed experts"
+    target = names(base, args)
+    if target is None:
+        return None
+    name = target.name
+    in_mtp = name.startswith("mtp.")
+    if target.expert is not None:
+        return "MTP routed experts" if in_mtp else "routed experts"
+    if in_mtp:
+        return "MTP (non-expert)"
+    if name in ("embed.weight", "head.weight"):
+        return "embeddings" if name == "embed.weight" else "lm_head"
+    if ".ffn.gate." in name:
+        return "routers"
+    if ".ffn.shared_experts." in name:
+        return "shared experts"
+    return "dense MLPs" if ".ffn." in name else "attention+norms"
 
 
 def checkpoint_name(module_name: str, args: ModelArgs, expert: int | str = "<e>") -> str:
@@ -224,9 +270,50 @@ class CheckpointIndex:
         return meta
 
 
+def check_layer_count(index: CheckpointIndex, args: ModelArgs) -> None:
+    """config.json's num_hidden_layers must be the checkpoint's decoder depth: the first layer holding MTP tensors
+    (enorm, eh_proj, ...), else the highest layer + 1. Otherwise an MTP layer would run as a decoder layer, or a
+    decoder layer be skipped, and print garbage."""
+    layers, mtp = set(), set()
+    for name in index.files:
+        m = _LAYER_RE.match(name)
+        if m:
+            layers.add(int(m.group(1)))
+            if m.group(2) in MTP_NAMES:
+                mtp.add(int(m.group(1)))
+    if not layers:
+        return
+    depth = min(mtp) if mtp else max(layers) + 1
+    if depth != args.num_hidden_layers:
+        where = f"its MTP layer is model.layers.{depth}" if mtp else f"its last layer is model.layers.{depth - 1}"
+        raise UserError(f"config.json says num_hidden_layers {args.num_hidden_layers}, but the checkpoint's decoder "
+                        f"has {depth} layers ({where})")
+
+
+def unplaced_note(index: CheckpointIndex, args: ModelArgs, names=map_name) -> str | None:
+    """One line naming the checkpoint tensors that have no place in the model (not read), or None. The MTP layer's
+    copies of the embedding and head, and MTP layers past the first, are left out on purpose and not named.
+    names: the family's name table (map_name's signature)."""
+    unplaced = []
+    for name in index.files:
+        if is_scale_name(name) or name.endswith(BLOBS_SUFFIX) or names(name, args) is not None:
+            continue                          # (a quantized directory's expert blobs have their own reader)
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) >= args.mtp_layer_id:
+            continue
+        unplaced.append(name)
+    if not unplaced:
+        return None
+    shown = ", ".join(sorted(unplaced)[:3]) + (", ..." if len(unplaced) > 3 else "")
+    return (f"note: {len(unplaced)} checkpoint tensor{'s have' if len(unplaced) > 1 else ' has'} no place in a "
+            f"{args.model_type} model and {'are' if len(unplaced) > 1 else 'is'} not loaded: {shown}")
+
+
 def mtp_status(index: CheckpointIndex, args: ModelArgs) -> tuple[bool, str | None]:
     """(MTP layer present?, notice). A wholly absent MTP layer turns MTP off; a partly present one is an error.
-    Works for HF and dsv3lite-quantized directories alike (both keep the MTP layer's own tensors by HF name)."""
+    Works for HF and dsv3lite-quantized directories alike (both keep the MTP layer's own tensors by HF name).
+    The config's layer count is checked against the checkpoint first (check_layer_count)."""
+    check_layer_count(index, args)
     if args.num_nextn_predict_layers < 1:
         return False, None
     prefix = f"model.layers.{args.mtp_layer_id}."
@@ -246,16 +333,18 @@ def has_weights(root: Path) -> bool:
     return (root / "model.safetensors.index.json").exists() or any(root.glob("*.safetensors"))
 
 
-def has_mtp(root: Path, args: ModelArgs) -> bool:
-    """Whether the checkpoint at `root` carries the MTP layer its config declares (see mtp_status)."""
-    return args.num_nextn_predict_layers >= 1 and mtp_status(CheckpointIndex.open(root), args)[0]
-
-
 # ---- reading tensors --------------------------------------------------------------------------------------
 
 # a weight's scale: `<name>_scale_inv` (DeepSeek-V3, float32), or `<stem>.scale` for `<stem>.weight` (DeepSeek-V4,
 # F8_E8M0 or float32): FP8 128x128 blocks, or for an I8 weight (two MXFP4 codes a byte) one per 32 weights of a row
 SCALE_SUFFIXES = ("_scale_inv", ".scale")
+
+
+def unscaled_integer(name: str, dtype: torch.dtype) -> UserError:
+    """The error for an integer weight whose scale is nowhere (casting it to float would be silently wrong)."""
+    return UserError(f"tensor {name} is {str(dtype).replace('torch.', '')}, and config.json declares no quantization "
+                     f"that gives its scale (an integer weight needs one): dsv3lite reads float, FP8 block-scaled and "
+                     f"MXFP4 weights, and its own quantized directories")
 
 
 def is_scale_name(name: str) -> bool:
@@ -338,19 +427,21 @@ class TensorReader:
 
     def weight(self, name: str, shape: tuple[int, ...] | None = None,
                scratch=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, its scale in fp32, or None for a float weight), shapes checked: an FP8 weight's block scale
-        grid, or an I8 weight's (two MXFP4 codes a byte, DeepSeek-V4's experts) scales per 32 weights [N, K/32]
-        (ue8m0 decoded exactly). `scratch`: read the weight into this thread's buffer of that key (see `get`);
-        valid until the next read with that key."""
+        """(weight, its scale in fp32, or None for a float weight), shapes checked (`shape`: the logical [N, K]): an
+        FP8 weight's block scale grid, or an I8 weight's (two MXFP4 codes a byte, DeepSeek-V4's experts) scales per
+        32 weights [N, K/32] (ue8m0 decoded exactly). `scratch`: read the weight into this thread's buffer of that
+        key (see `get`); valid until the next read with that key."""
         w = self.get(name, scratch)
+        if shape is not None and w.dtype == torch.int8 and len(shape) == 2:
+            shape = (shape[0], shape[1] // 2)                    # MXFP4 codes: two a byte
         if shape is not None and tuple(w.shape) != tuple(shape):
             raise UserError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)} from config.json")
         if w.dtype not in (torch.float8_e4m3fn, torch.int8):
-            return w, None
+            return w, None                    # a float weight, or an integer table (its reader checks where it goes)
         scale = self.scale_of(name)
         if scale is None:
-            if w.dtype == torch.int8:
-                return w, None
+            if w.dtype != torch.float8_e4m3fn:
+                raise unscaled_integer(name, w.dtype)
             raise UserError(f"FP8 tensor {name} has no {' or '.join(scale_names(name))}")
         s = self.get(scale)
         if w.dtype == torch.float8_e4m3fn:

@@ -17,6 +17,7 @@ PREFILL_CHUNK = 512          # tokens per prefill forward
 LAYER_MAJOR_TOKENS = 4096    # tokens per layer-major prefill group (its hidden states are held per layer)
 ABSORB_MAX_TOKENS = 4        # forwards of up to this many tokens use the absorbed (latent) attention
 MAX_DRAFT_TOKENS = 3         # MTP drafts per step (a verify forward is drafts + 1 tokens)
+INDEX_SCORE_ELEMENTS = 1 << 24  # indexer scores [queries, index heads, keys] (fp32) computed at once in a prefill
 FUSED_MAX_TOKENS = 16        # routed experts through the fused MoE kernel up to this many tokens
 BULK_TOKENS = 8              # an offloaded MoE call of more tokens than this streams the layer's experts
 

@@ -18,8 +18,8 @@ from torch import nn
 from .config import ModelArgs
 from .dense import PackedLinear, check_dense, packable
 from .errors import UserError
-from .hf_checkpoint import (FP32_MODULE_SUFFIXES, CheckpointIndex, TensorReader, checkpoint_name, is_scale_name,
-                            map_name, mtp_status)
+from .hf_checkpoint import (FP32_MODULE_SUFFIXES, CheckpointIndex, TensorReader,
+                            checkpoint_name, is_scale_name, map_name, mtp_status, unplaced_note, unscaled_integer)
 from .model import Transformer
 from .quant.fp8 import fp8_block_dequant
 from .utils import format_bytes
@@ -67,6 +67,8 @@ class Loader:
         self.packed = dict(count=0, kept=0, before=0, after=0, seconds=0.0)   # what packing did (the log line)
 
     # --- the family's hooks ---------------------------------------------------------------------------------
+    decodes_released = False    # whether the loader decodes the checkpoint's released expert format to dense experts
+
     def build(self, args, with_mtp: bool) -> nn.Module:
         """The network, built on the meta device by the caller."""
         return Transformer(args, with_mtp=with_mtp)
@@ -95,17 +97,18 @@ class Loader:
         check_dense(self.dense, torch.device(self.device))
         args = args or ModelArgs.from_dir(self.root)
         index = CheckpointIndex.open(self.root)
-        with_mtp, notice = self.mtp_status(index, args) if mtp else (False, None)
+        with_mtp, notice = self.mtp_status(index, args)       # (the family's checks of the checkpoint's depth)
+        if not mtp:
+            with_mtp, notice = False, None
         self.skip_mtp = not with_mtp
-        for note in (notice, index.skipped_note()):
+        for note in (notice, index.skipped_note(), unplaced_note(index, args, self.map_name)):
             if note:
                 self.log(note)
         with torch.device("meta"):
             model = self.build(args, with_mtp)
-        if expert_provider is None and getattr(args, "released_experts", None):   # no dense form: as stored
-            from .experts import released_provider
-
-            expert_provider = released_provider(self.root, args, self.device)
+        if expert_provider is None and args.released_experts and not self.decodes_released:
+            raise UserError(f"the routed experts of {self.root} are stored as {args.released_experts}, which has no "
+                            f"dense form here: they load as stored through dsv3lite.load (builder.load_network)")
         self.external_experts = expert_provider is not None
         if expert_provider is not None:
             for moe in model.moe_modules():
@@ -113,14 +116,13 @@ class Loader:
         expected = expected_tensors(model)
         filled: set[str] = set()
         experts_seen: dict[str, set[int]] = {}
-        ignored = []
         by_shard: dict = {}
         for n, f in index.files.items():              # one pass (V3 has 163 shards and ~90k tensors)
             by_shard.setdefault(f, []).append(n)
         with TensorReader(index) as reader:
             for shard in index.shards():
                 self._load_shard(model, args, reader, shard, by_shard.get(shard, []), expected, filled,
-                                 experts_seen, ignored)
+                                 experts_seen)
         self._finish(model, args, expected, filled, experts_seen)
         if self.dense is not None:
             p = self.packed
@@ -131,7 +133,7 @@ class Loader:
         model.eval()
         return model
 
-    def _load_shard(self, model, args, reader, shard, names, expected, filled, experts_seen, ignored):
+    def _load_shard(self, model, args, reader, shard, names, expected, filled, experts_seen):
         from tqdm import tqdm
 
         wanted = []
@@ -141,8 +143,7 @@ class Loader:
             target = self.map_name(name, args)
             if target is None or (target.expert is not None and self.external_experts) or (
                     self.skip_mtp and target.name.startswith("mtp.")):
-                ignored.append(name)
-                continue
+                continue                              # not read: named by unplaced_note, or left out on purpose
             wanted.append((name, target))
         targets = dict(wanted)
         bar = tqdm(total=len(wanted), desc=f"loading {shard.name}", unit="tensor", file=sys.stderr,
@@ -159,6 +160,8 @@ class Loader:
                 tensor = self.dequant(weight.to(on), scale.to(on))
             else:
                 tensor = weight
+                if not tensor.dtype.is_floating_point and self.tensor_dtype(target.name).is_floating_point:
+                    raise unscaled_integer(name, tensor.dtype)
             self._place(model, args, name, shard, target, tensor, expected, filled, experts_seen)
         bar.close()
 

@@ -124,6 +124,10 @@ class Transformer(nn.Module):
     def moe_modules(self) -> list[MoE]:
         return [b.ffn for b in self.blocks() if b.is_moe]
 
+    def token_route_tables(self) -> dict[int, torch.Tensor]:
+        """The layers whose experts follow from the token id alone, with their tables: none in this family."""
+        return {}
+
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device) -> ModelCache:
         """Every block's latent cache for one sequence of up to `capacity` tokens (V3.2: with its index keys)."""
         tensor = torch.zeros(len(self.blocks()), 1, capacity, self.args.cache_dim, dtype=dtype, device=device)

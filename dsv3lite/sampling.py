@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import UserError
+from .errors import ModelFault, UserError
+
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)         # what torch.Generator.manual_seed takes
 
 
 @dataclass
@@ -32,7 +34,9 @@ class SamplingParams:
             (_finite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}"),
             (_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+             f"seed must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}, got {self.seed!r}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -45,8 +49,12 @@ def _finite(x) -> bool:
 
 def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from: logits [V] (any dtype) -> fp32 probabilities [V] after
-    temperature, top-k and top-p. Temperature 0 is a one-hot on the argmax."""
+    temperature, top-k and top-p. Temperature 0 is a one-hot on the argmax. Non-finite logits (NaN or inf: damaged
+    weights, or a dtype that overflows) are a ModelFault: greedy decoding would otherwise pick a NaN's index."""
     logits = logits.float()
+    if not bool(torch.isfinite(logits).all()):
+        raise ModelFault("the model's logits are not finite (NaN or inf): the checkpoint's weights are damaged, or "
+                         "the compute dtype overflows (try --dtype float32)")
     if p.temperature == 0:
         return torch.zeros_like(logits).scatter_(0, logits.argmax().view(1), 1.0)
     logits = logits / p.temperature

@@ -101,8 +101,11 @@ class Speculator:
     """MTP drafting and verification for one Engine (batch 1). `step` is one decode step, speculative or plain."""
 
     def __init__(self, model, executor, enabled: bool = True, num_draft_tokens: int = 1, adaptive: bool = True,
-                 log=None):
+                 log=None, on_tokens=None):
+        """on_tokens(tokens, more=False): told each token the next main forward runs as soon as it is sampled (more:
+        a draft, after the tokens told before; the offloading runtime prefetches what the token ids decide)."""
         self.model, self.executor = model, executor        # the executor runs the MTP block (executors/)
+        self.on_tokens = on_tokens or (lambda tokens, more=False: None)
         self.layer = model.args.num_hidden_layers          # the MTP block's index in the model's cache
         self.available = model.mtp is not None
         self.log = log or (lambda msg: None)
@@ -160,10 +163,12 @@ class Speculator:
     def reset(self) -> None:
         self.valid = 0
 
-    def stats(self, drafted: int, accepted: int, decode_tokens: int, main_forwards: int) -> dict:
+    def stats(self, drafted: int, accepted: int, main_forwards: int) -> dict:
+        # tokens per forward: what the forwards produced (each its sampled token plus its accepted drafts), as the
+        # acceptance counts them, whether or not max_tokens or a stop let all of them out
         return {"enabled": self.enabled,
                 "acceptance_rate": accepted / drafted if drafted else 0.0,
-                "tokens_per_forward": decode_tokens / main_forwards if main_forwards else 0.0,
+                "tokens_per_forward": (main_forwards + accepted) / main_forwards if main_forwards else 0.0,
                 **({} if self.enabled else {"reason": self.off_reason})}
 
     # --- the MTP layer ------------------------------------------------------------------------
@@ -190,6 +195,7 @@ class Speculator:
         for j in range(k):
             q = sampling_probs(self.model.mtp_logits(out), params)
             d = sample(q, gen)
+            self.on_tokens([d], more=True)
             drafts.append(d)
             qs.append(q)
             if j + 1 < k:       # speculative MTP positions; catch-up truncates them away
@@ -208,6 +214,7 @@ class Speculator:
             drafts, qs = self.draft(cache, k, params, gen)
             h, logits = forward([token] + drafts, m)
             a, nxt = accept_drafts([sampling_probs(l, params) for l in logits], drafts, qs, gen)
+            self.on_tokens([nxt])
             kept, new = [token] + drafts[:a], drafts[:a] + [nxt]
             cache.truncate(m + len(kept), main=True)      # the rejected drafts' state, rolled back
             self.catch_up(cache, h[:a + 1], new, m)
@@ -217,6 +224,7 @@ class Speculator:
             return new, kept
         h, logits = forward([token], m)
         new = [sample(sampling_probs(logits[0], params), gen)]
+        self.on_tokens(new)
         self.timer.plain(time.perf_counter() - t0)
         self.catch_up(cache, h, new, m)
         return new, [token]

@@ -350,3 +350,21 @@ def v4_flash_slice_config(layers: int = 3, experts: int = 16, vocab_size: int = 
     ratios = [0] + [4, 128] * layers
     return dict(flash_config(), vocab_size=vocab_size, num_hidden_layers=layers, n_routed_experts=experts,
                 compress_ratios=ratios[:layers] + [0], num_hash_layers=1)
+
+
+def load_v4(root, device="cpu", dtype=torch.float32, mtp: bool = True, progress: bool = False, log=None,
+            released_experts: bool = False):
+    """A deepseek_v4 checkpoint directory -> its resident network (no engine): routed experts dequantized to
+    `dtype`, or with `released_experts` served as released (MXFP4 blobs repacked from the checkpoint, as
+    dsv3lite.load serves them; on the CPU through the packed kernel)."""
+    from .builder import load_network
+    from .errors import UserError
+    from .v4.config import V4Args
+    from .v4.loader import V4Loader
+
+    if not released_experts:
+        return V4Loader(root, torch.device(device), dtype, progress=progress, log=log).load(mtp=mtp)
+    if V4Args.from_dict(json.loads((Path(root) / "config.json").read_text())).released_experts is None:
+        raise UserError(f"the routed experts of {root} are not MXFP4 (no expert_dtype fp4): nothing to serve as "
+                        f"released")
+    return load_network(root, device, dtype, progress, log, mtp=mtp)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -24,6 +25,14 @@ from tokenizers import Tokenizer as Backend
 from .errors import UserError
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # names a message's reasoning may come under
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def replace_undecodable(text: str) -> tuple[str, int]:
+    """`text` with every lone surrogate (an undecodable input byte as Python's surrogateescape keeps it, or a
+    "\\ud800" escape from JSON) replaced by U+FFFD -> (text, how many were replaced). Such text has no UTF-8 form,
+    so the tokenizer could not take it."""
+    return _SURROGATES.subn("\ufffd", text)
 
 
 class Tokenizer:
@@ -80,8 +89,9 @@ class Tokenizer:
     # ---- text <-> ids
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Token ids of `text`. Special-token strings in it become special tokens; BOS only when asked."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`. Special-token strings in it become special tokens; BOS only when asked. Lone
+        surrogates (undecodable input) encode as U+FFFD."""
+        ids = self._backend.encode(replace_undecodable(text)[0], add_special_tokens=False).ids
         if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids

@@ -1,9 +1,9 @@
-"""Small shared helpers: the one size parser, byte/rate formatting, device and dtype resolution."""
+"""Small shared helpers: the one size parser, byte/rate formatting, device and dtype resolution. (torch is imported
+where a helper needs it: the command line's help must not wait for it.)"""
 from __future__ import annotations
 
 import re
-
-import torch
+from pathlib import Path
 
 from .errors import UserError
 
@@ -47,41 +47,59 @@ def format_count(n: float) -> str:
 
 
 _DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
 }
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """'auto' picks CUDA when present; 'cuda' without a GPU is a clear error."""
+def resolve_device(device, present: bool = True):
+    """'auto' picks CUDA when present; 'cuda' without a GPU is a clear error unless `present` is False (a plan for
+    a CUDA run, computed on any machine)."""
+    import torch
+
     name = "auto" if device is None else str(device)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    if not (name == "cpu" or name == "cuda" or re.fullmatch(r"cuda:\d+", name)):
+        raise UserError(f"unknown device {name!r}: use auto, cuda (or cuda:N) or cpu")
+    if name.startswith("cuda") and present and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA GPU is available (use --device cpu)")
-    if not (name == "cpu" or name.startswith("cuda")):
-        raise UserError(f"unknown device {name!r}: use auto, cuda or cpu")
     return torch.device(name)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype, device):
     """Default: bfloat16 on CUDA, float32 on CPU."""
+    import torch
+
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return _DTYPES[str(dtype).lower()]
+        return getattr(torch, _DTYPES[str(dtype).lower()])
     except KeyError:
         raise UserError(f"unknown dtype {dtype!r}: use bfloat16, float16 or float32") from None
+
+
+def write_problem(directory) -> str | None:
+    """Why files cannot be created in `directory` (made when missing), e.g. "Read-only file system" or "No space
+    left on device", found by creating one; None when they can."""
+    import tempfile
+
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory) as f:
+            f.write(b"\0")
+            f.flush()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def checkpoint_dir(path, what: str):
     """`path` as an existing checkpoint directory (one holding config.json), else a one-line UserError naming
     `what` (e.g. "weights directory", "source checkpoint")."""
-    from pathlib import Path
-
     path = Path(path).expanduser()
     if not path.exists():
         raise UserError(f"{what} not found: {path}")
@@ -108,7 +126,6 @@ def cache_root():
     """dsv3lite's per-user cache (compiled CPU kernels, converted tokenizers): $DSV3LITE_CACHE_DIR, else
     $XDG_CACHE_HOME/dsv3lite, else ~/.cache/dsv3lite."""
     import os
-    from pathlib import Path
 
     root = os.environ.get("DSV3LITE_CACHE_DIR")
     if root:

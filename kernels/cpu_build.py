@@ -133,6 +133,8 @@ def _load() -> ctypes.CDLL | str:
         key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
         path = cache_dir() / key / "libdsv3lite_cpu.so"
         if not path.exists():
+            print(f"compiling the CPU kernels once (about 10-30 s; kept in {path.parent})", file=sys.stderr,
+                  flush=True)
             _build(compiler, source, path)
         lib = _bind(ctypes.CDLL(str(path)))
         why = cpu_abi.mismatch(lib)          # the descriptors' layouts and the format codes, both sides

@@ -36,14 +36,16 @@ import torch
 
 from ..config import ModelArgs
 from ..errors import UserError
-from ..hf_checkpoint import (FP32_CHECKPOINT_SUFFIXES, PROJECTIONS, CheckpointIndex, TensorReader, check_fp8_scale,
-                             expert_tensor_name, map_name, mtp_status)
-from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits
+from ..family import family_of
+from ..hf_checkpoint import (CheckpointIndex, TensorReader, blob_name, check_fp8_scale, expert_names, is_scale_name,
+                             scale_names)
+from ..utils import checkpoint_dir, format_bytes, resolve_device, terminal_bar_fits, write_problem
 from .compressed_tensors import packed_entry_bytes, read_packed
 from .formats import format_for_layout, get_format
 from .fp8 import fp8_block_dequant
-from .int4g32 import Int4G32Format, int4g32_dequant
+from .int4g32 import int4g32_dequant
 from .layout import MATRICES, BlobLayout, ExpertFormat
+from .mxfp4 import mxfp4_dequant
 from .tensorfile import DTYPES, TensorFileWriter, entry_nbytes, read_header, tensor_spans
 
 MANIFEST = "dsv3lite_manifest.json"
@@ -63,8 +65,9 @@ class QuantizeInterrupted(UserError):
     """Ctrl-C during quantize: DST.partial/ is consistent and `--resume` continues it."""
 
 
-def blob_name(layer_id: int) -> str:
-    return f"model.layers.{layer_id}.mlp.experts.blobs"
+class QuantizeWriteFailed(UserError):
+    """The output's disk filled up or failed part way: DST.partial/ is consistent up to its last finished layer and
+    `--resume` continues it once there is room."""
 
 
 def _natural_key(name: str):
@@ -73,30 +76,39 @@ def _natural_key(name: str):
 
 # ---- packing experts from the source (read one tensor at a time by hf_checkpoint.TensorReader) ----------------
 
-def read_expert(reader: TensorReader, layer_id: int, expert: int, layout: BlobLayout, reuse: bool = False):
+def read_expert(reader: TensorReader, layer_id: int, expert: int, layout: BlobLayout, reuse: bool = False,
+                names=expert_names):
     """(weight, scale) of gate, up and down of one routed expert, shapes checked: a float weight and None, an FP8
-    weight and its scale_inv, or compressed-tensors' int4 words (int32) and bf16 scales (Kimi-K2-Thinking / K2.5).
-    reuse: read into this thread's scratch buffers (valid until its next read_expert with reuse)."""
+    weight and its scale_inv, compressed-tensors' int4 words (int32) and bf16 scales (Kimi-K2-Thinking / K2.5), or
+    MXFP4 codes and their scales (DeepSeek-V4). reuse: read into this thread's scratch buffers (valid until its
+    next read_expert with reuse); names(layer, expert): the checkpoint's names (its family's)."""
     out = []
-    for p, m in zip(PROJECTIONS, MATRICES):
-        name, shape, scratch = expert_tensor_name(layer_id, expert, p), layout.matrix_shape(m), \
-            ("expert", p) if reuse else None
+    for name, m in zip(names(layer_id, expert), MATRICES):
+        shape, scratch = layout.matrix_shape(m), ("expert", m) if reuse else None
         out.append(read_packed(reader, name, shape, scratch) or reader.weight(name, shape, scratch=scratch))
     return out
+
+
+# the expert encodings a checkpoint may store, by the dtype of the weights read: the expert format that keeps them
+# as they are (a repack), and their exact decoding to bf16 for any other format
+RELEASED_ENCODINGS = {
+    torch.int32: ("int4g32", lambda w, s: int4g32_dequant(w, s, w.shape[1] * 8, torch.bfloat16)),  # compressed-tensors
+    torch.int8: ("mxfp4", lambda w, s: mxfp4_dequant(w, s, torch.bfloat16)),                        # MXFP4 (V4)
+}
 
 
 def pack_weights(weights, fmt: ExpertFormat, layout: BlobLayout, out: torch.Tensor | None = None,
                  device: torch.device | None = None) -> torch.Tensor:
     """One expert's `read_expert` weights as a blob of `fmt` (on the CPU, in `out` if given). FP8 source + fp8
-    format, or compressed-tensors int4 source + int4g32 format: bytes and scales copied verbatim; otherwise FP8 and
-    int4 weights are dequantized the project's one way (bf16(fp32(w) * s)) and then quantized, the arithmetic on
-    `device` (default: the CPU)."""
-    if any(w.dtype == torch.int32 for w, _ in weights):           # compressed-tensors int4 words, bf16 scales
-        if isinstance(fmt, Int4G32Format) and all(w.dtype == torch.int32 for w, _ in weights):
-            (gw, gs), (uw, us), (dw, ds) = weights
-            return fmt.pack_prequantized(gw, gs, uw, us, dw, ds, out=out)
-        weights = [(int4g32_dequant(w, s, w.shape[1] * 8, torch.bfloat16), None) if w.dtype == torch.int32
-                   else (w, s) for w, s in weights]
+    format, or a released encoding + the format that stores it (compressed-tensors int4 + int4g32, MXFP4 codes +
+    mxfp4): bytes and scales copied verbatim; otherwise FP8 weights are dequantized the project's one way
+    (bf16(fp32(w) * s)), released encodings exactly, and then quantized, the arithmetic on `device` (default: the
+    CPU)."""
+    encodings = [RELEASED_ENCODINGS.get(w.dtype) for w, _ in weights]
+    if encodings[0] is not None and all(e is encodings[0] for e in encodings) and fmt.name == encodings[0][0]:
+        (gw, gs), (uw, us), (dw, ds) = weights
+        return fmt.pack_prequantized(gw, gs, uw, us, dw, ds, out=out)
+    weights = [(e[1](w, s), None) if e is not None else (w, s) for e, (w, s) in zip(encodings, weights)]
     if fmt.fp8_passthrough and all(s is not None for _, s in weights):
         (gw, gs), (uw, us), (dw, ds) = weights
         return fmt.pack_prequantized(gw, gs, uw, us, dw, ds, out=out)
@@ -114,27 +126,29 @@ def pack_weights(weights, fmt: ExpertFormat, layout: BlobLayout, out: torch.Tens
 
 
 def pack_expert(reader: TensorReader, layer_id: int, expert: int, fmt: ExpertFormat, layout: BlobLayout,
-                out: torch.Tensor | None = None, device: torch.device | None = None) -> torch.Tensor:
-    """One expert of the source as a blob of `fmt` (see pack_weights)."""
-    return pack_weights(read_expert(reader, layer_id, expert, layout), fmt, layout, out, device)
+                out: torch.Tensor | None = None, device: torch.device | None = None,
+                names=expert_names) -> torch.Tensor:
+    """One expert of the source as a blob of `fmt` (see pack_weights; names: read_expert's)."""
+    return pack_weights(read_expert(reader, layer_id, expert, layout, names=names), fmt, layout, out, device)
 
 
 def pack_experts(reader: TensorReader, jobs, fmt: ExpertFormat, layout: BlobLayout, device: torch.device | None = None,
-                 workers: int = 1, outs=None):
+                 workers: int = 1, outs=None, names=expert_names):
     """Yield ((layer, expert), blob) for each of `jobs` [(layer, expert), ...] in order. With workers > 1, that
     many experts are read and quantized at once in threads (torch ops and pread release the GIL) while the caller
     writes the blobs already yielded; `outs(layer, expert)` gives the tensor to fill, else each blob is new.
-    Every blob is what pack_expert gives: the threads change the order of work, never its arithmetic."""
+    Every blob is what pack_expert gives: the threads change the order of work, never its arithmetic. names:
+    read_expert's."""
     out_for = outs or (lambda layer, e: None)
     if workers <= 1:
         for layer, e in jobs:
-            yield (layer, e), pack_expert(reader, layer, e, fmt, layout, out_for(layer, e), device)
+            yield (layer, e), pack_expert(reader, layer, e, fmt, layout, out_for(layer, e), device, names)
         return
     read_lock = threading.Lock()               # one reader at a time: TensorReader opens shards lazily
 
     def job(layer, e):
         with read_lock:               # into the worker's own buffers: the expert is packed before its next read
-            weights = read_expert(reader, layer, e, layout, reuse=True)
+            weights = read_expert(reader, layer, e, layout, reuse=True, names=names)
         return pack_weights(weights, fmt, layout, out_for(layer, e), device)
 
     todo, pending = iter(jobs), collections.deque()
@@ -179,14 +193,15 @@ def _check_layout(fmt: ExpertFormat, layout: BlobLayout, args: ModelArgs) -> Non
 
 def quantize_layer_from_hf(root_or_index, args: ModelArgs, layer_id: int, fmt: ExpertFormat,
                            layout: BlobLayout) -> torch.Tensor:
-    """All routed experts of `layer_id` from an HF checkpoint, quantized at load: uint8 [E, blob_bytes] in RAM.
-    The same per-expert code as `quantize`, so the bytes equal that layer's rows of experts.safetensors."""
+    """All routed experts of `layer_id` from an HF checkpoint, quantized at load (released MXFP4 experts into mxfp4:
+    repacked): uint8 [E, blob_bytes] in RAM. The same per-expert code as `quantize`, so the bytes equal that layer's
+    rows of experts.safetensors."""
     index = root_or_index if isinstance(root_or_index, CheckpointIndex) else CheckpointIndex.open(Path(root_or_index))
     _check_layout(fmt, layout, args)
     blobs = torch.empty(args.n_routed_experts, layout.blob_bytes, dtype=torch.uint8)
     with TensorReader(index) as reader:
         for _ in pack_experts(reader, [(layer_id, e) for e in range(args.n_routed_experts)], fmt, layout,
-                              outs=lambda layer, e: blobs[e]):
+                              outs=lambda layer, e: blobs[e], names=family_of(args).expert_names(args, index)):
             pass
     return blobs
 
@@ -377,15 +392,15 @@ def plan_quantize(src, dst, experts: str = "int4", group_size: int = 128, dense:
     digest = source_hash(src, index)
     meta = index.headers()                  # under the names the model reads (e.g. Kimi-K2.5's prefix removed)
 
-    with_mtp, notice = mtp_status(index, args)
+    family = family_of(args)
+    with_mtp, notice = family.mtp_status(index, args)
     moe_layers = args.moe_layer_ids + ([args.mtp_layer_id] if with_mtp else [])
-    expert_bytes = _check_experts(meta, args, layout, moe_layers)
+    expert_bytes = _check_experts(meta, layout, moe_layers, args.n_routed_experts, family.expert_names(args, index))
     entries = _dense_entries(meta, args, dense)
     if dense == "fp8" and not any(e.dtype == "F8_E4M3" for e in entries):
         raise UserError(f"--dense fp8 keeps an FP8 checkpoint's FP8 weights, but {src} has none "
                         f"(it is not an FP8 checkpoint): use --dense bf16")
-    notes = [f"note: {src} has no MTP layer (model.layers.{args.mtp_layer_id}.*), so the output has none"] \
-        if notice else []
+    notes = [f"note: {src} has no MTP layer, so the output has none"] if notice else []
     if args.released_experts and fmt.name != args.released_experts:
         notes.append(f"note: {src} stores its routed experts as {args.released_experts}, as released; --experts "
                      f"{fmt.name} dequantizes them and quantizes them again (--experts {args.released_experts} keeps "
@@ -405,14 +420,14 @@ def source_hash(src: Path, index: CheckpointIndex) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def _check_experts(meta: dict, args: ModelArgs, layout: BlobLayout, moe_layers: list[int]) -> int:
-    """Every routed expert tensor present with the config's shape; returns the source bytes of one expert."""
+def _check_experts(meta: dict, layout: BlobLayout, moe_layers: list[int], n_experts: int, names) -> int:
+    """Every routed expert tensor present with the config's shape (names(layer, expert): its family's checkpoint
+    names): float, FP8 with its scale, or MXFP4 codes with theirs; returns the source bytes of one expert."""
     per_expert = None
     for layer in moe_layers:
-        for e in range(args.n_routed_experts):
+        for e in range(n_experts):
             nbytes = 0
-            for proj, m in zip(PROJECTIONS, MATRICES):
-                name = expert_tensor_name(layer, e, proj)
+            for name, m in zip(names(layer, e), MATRICES):
                 shape = layout.matrix_shape(m)
                 packed = packed_entry_bytes(meta, name, shape) if name not in meta else None
                 if packed is not None:                          # compressed-tensors int4 (Kimi's released experts)
@@ -421,43 +436,47 @@ def _check_experts(meta: dict, args: ModelArgs, layout: BlobLayout, moe_layers: 
                 v = meta.get(name)
                 if v is None:
                     raise UserError(f"checkpoint is missing tensor {name}")
-                if tuple(v["shape"]) != shape:
-                    raise UserError(f"tensor {name} has shape {tuple(v['shape'])}, expected {shape} from config.json")
-                if v["dtype"] not in SOURCE_FLOAT_DTYPES:
+                stored = (shape[0], shape[1] // 2) if v["dtype"] == "I8" else shape    # MXFP4: two codes a byte
+                if tuple(v["shape"]) != stored:
+                    raise UserError(f"tensor {name} has shape {tuple(v['shape'])}, expected {stored} from config.json")
+                if v["dtype"] not in SOURCE_FLOAT_DTYPES + ("I8",):
                     raise UserError(f"tensor {name} has dtype {v['dtype']}; expected one of "
-                                    f"{', '.join(SOURCE_FLOAT_DTYPES)}")
+                                    f"{', '.join(SOURCE_FLOAT_DTYPES)} or MXFP4 (I8 with a scale)")
                 nbytes += entry_nbytes(v["dtype"], v["shape"])
-                if v["dtype"] == "F8_E4M3":
-                    s = meta.get(name + "_scale_inv")
-                    if s is None:
-                        raise UserError(f"FP8 tensor {name} has no {name}_scale_inv")
-                    check_fp8_scale(name, v["shape"], s["shape"])
-                    nbytes += entry_nbytes(s["dtype"], s["shape"])
+                if v["dtype"] in ("F8_E4M3", "I8"):
+                    scale = next((n for n in scale_names(name) if n in meta), None)
+                    if scale is None:
+                        raise UserError(f"{v['dtype']} tensor {name} has no {' or '.join(scale_names(name))}")
+                    if v["dtype"] == "F8_E4M3":
+                        check_fp8_scale(name, v["shape"], meta[scale]["shape"], scale)
+                    nbytes += entry_nbytes(meta[scale]["dtype"], meta[scale]["shape"])
             per_expert = nbytes if per_expert is None else per_expert
     return per_expert or 0
 
 
 def _dense_entries(meta: dict, args: ModelArgs, dense: str) -> list[DenseEntry]:
+    """The output's non-expert tensors, under their source names, in the dtype the family keeps each in (bf16,
+    fp32, integer tables as int32; with --dense fp8 an FP8 weight's bytes and scale as they are)."""
     out = []
     if dense == EXPERTS_ONLY:
         return out
+    family = family_of(args)
     for name in sorted(meta, key=_natural_key):
-        if name.endswith("_scale_inv"):
+        if is_scale_name(name):
             continue
-        target = map_name(name, args)
+        target = family.map_name(name, args)
         if target is None or target.expert is not None:
             continue                              # routed experts, MTP copies of embed/head, unused tensors
         v = meta[name]
         shape = tuple(v["shape"])
         if dense == "fp8" and v["dtype"] == "F8_E4M3":
             out.append(DenseEntry(name, "F8_E4M3", shape, copy=True))
-            scale = meta.get(name + "_scale_inv")
+            scale = next((n for n in scale_names(name) if n in meta), None)
             if scale is None:
-                raise UserError(f"FP8 tensor {name} has no {name}_scale_inv")
-            out.append(DenseEntry(name + "_scale_inv", scale["dtype"], tuple(scale["shape"]), copy=True))
+                raise UserError(f"FP8 tensor {name} has no {' or '.join(scale_names(name))}")
+            out.append(DenseEntry(scale, meta[scale]["dtype"], tuple(meta[scale]["shape"]), copy=True))
         else:
-            dtype = "F32" if name.endswith(FP32_CHECKPOINT_SUFFIXES) else "BF16"
-            out.append(DenseEntry(name, dtype, shape, copy=False))
+            out.append(DenseEntry(name, family.stored_dtype(name, target.name), shape, copy=False))
     return out
 
 
@@ -486,7 +505,10 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
     if workers < 1:
         raise UserError(f"workers must be at least 1, got {workers}")
     plan = plan_quantize(src, dst, experts, group_size, dense, fast)
-    state = _prepare_dirs(plan, force, resume, log)
+    try:
+        state = _prepare_dirs(plan, force, resume, log)
+    except OSError as e:
+        raise QuantizeWriteFailed(f"cannot write {e.filename or plan.partial}: {e.strerror or e}") from None
     for note in plan.notes:
         log(note)
     n_layers, n_experts = len(plan.moe_layers), plan.args.n_routed_experts
@@ -500,12 +522,17 @@ def quantize_checkpoint(src, dst, experts: str = "int4", group_size: int = 128, 
                 state["dense_done"] = True
                 _save_progress(plan.partial, state)
             _write_experts(plan, reader, state, progress, log, dev, workers)
+        _atomic_write(plan.partial / MANIFEST, json.dumps(plan.manifest().to_json(), indent=2) + "\n")
+        _finish(plan)
     except KeyboardInterrupt:
         done = len(state["layers_done"])
         raise QuantizeInterrupted(f"interrupted with {done} of {n_layers} MoE layers done in {plan.partial}: "
                                   f"run the same command with --resume to continue") from None
-    _atomic_write(plan.partial / MANIFEST, json.dumps(plan.manifest().to_json(), indent=2) + "\n")
-    _finish(plan)
+    except OSError as e:                  # the disk filled up or went read-only part way (reads raise UserError)
+        done = len(state["layers_done"])
+        raise QuantizeWriteFailed(f"cannot write {e.filename or plan.partial}: {e.strerror or e}, with {done} of "
+                                  f"{n_layers} MoE layers done: make room and run the same command with --resume") \
+            from None
     dense_bytes = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
     log(f"wrote {plan.dst}: {plan.layers_label} x {n_experts} experts as {plan.fmt.label} "
         f"({format_bytes(n_layers * n_experts * plan.layout.blob_bytes)}), dense {plan.dense} "
@@ -558,7 +585,9 @@ def _prepare_dirs(plan: QuantizePlan, force: bool, resume: bool, log) -> dict:
     dense_bytes = sum(entry_nbytes(e.dtype, e.shape) for e in plan.dense_entries)
     expert_bytes = len(plan.moe_layers) * plan.args.n_routed_experts * plan.layout.blob_bytes
     parent = partial.parent
-    parent.mkdir(parents=True, exist_ok=True)
+    problem = write_problem(parent)
+    if problem:
+        raise UserError(f"cannot write in {parent}: {problem}")
     free = shutil.disk_usage(parent).free
     if dense_bytes + expert_bytes > free:
         raise UserError(f"not enough disk space in {parent}: the output needs "
@@ -603,6 +632,32 @@ def format_duration(seconds: float) -> str:
     return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
+class Eta:
+    """Seconds left of `total` items, at the rate measured after the first `warm` of them: their time holds one-off
+    costs (the first reads from a cold disk, thread and kernel start-up) that made a first ETA 4-15x too long."""
+
+    def __init__(self, total: int, warm: int, clock=time.perf_counter):
+        self.total, self.warm, self.clock = total, min(warm, total), clock
+        self.t0 = clock()
+        self.mark: tuple[float, int] | None = None        # (clock, done) when the warm-up ended
+        self.per_item = 0.0
+
+    def update(self, done: int) -> float:
+        """The ETA once `done` items are finished; `per_item` holds the seconds per item it assumes."""
+        now = self.clock()
+        if self.mark is None and done >= self.warm:
+            self.mark = (now, done)
+        if self.mark is None or done == self.mark[1]:
+            self.per_item = (now - self.t0) / max(done, 1)
+        else:
+            self.per_item = (now - self.mark[0]) / (done - self.mark[1])
+        return (self.total - done) * self.per_item
+
+    def first(self, done: int) -> bool:
+        """Whether `done` items are the point to state the ETA up front (as many again past the warm-up)."""
+        return done == min(self.total, 2 * self.warm)
+
+
 def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progress: bool, log,
                    device: torch.device, workers: int) -> None:
     from tqdm import tqdm
@@ -615,6 +670,7 @@ def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progre
     jobs = [(layer, e) for layer in todo for e in range(n_experts)]
     where = f"{workers} worker{'s' if workers != 1 else ''} on {device.type}"
     t0, done, done_bytes = time.perf_counter(), 0, 0
+    eta_clock = Eta(total, max(workers, 2))
     with TensorFileWriter.reopen(plan.partial / EXPERTS_FILE, plan.experts_file_entries(),
                                  plan.experts_metadata()) as out, \
             tqdm(total=len(plan.moe_layers) * n_experts, initial=len(state["layers_done"]) * n_experts,
@@ -622,13 +678,14 @@ def _write_experts(plan: QuantizePlan, reader: TensorReader, state: dict, progre
                  disable=not (progress and bar_fits)) as bar, \
             _one_torch_thread_each(workers, device):
         say = bar.write if progress and bar_fits else log
-        for (layer, e), blob in pack_experts(reader, jobs, plan.fmt, plan.layout, device, workers):
+        names = family_of(plan.args).expert_names(plan.args, plan.index)
+        for (layer, e), blob in pack_experts(reader, jobs, plan.fmt, plan.layout, device, workers, names=names):
             out.write_row(blob_name(layer), e, blob)
             done, done_bytes = done + 1, done_bytes + plan.expert_src_bytes
             elapsed = time.perf_counter() - t0
-            eta = (total - done) * elapsed / done
-            if done == min(total, max(workers, 2)):  # the first experts timed: the ETA up front
-                say(f"{plan.fmt.label} experts: {elapsed / done:.2f} s per expert ({where}), {total} to pack: "
+            eta = eta_clock.update(done)
+            if eta_clock.first(done):             # the first experts timed: the ETA up front
+                say(f"{plan.fmt.label} experts: {eta_clock.per_item:.2f} s per expert ({where}), {total} to pack: "
                     f"ETA {format_duration(eta)}")
             bar.set_postfix_str(f"layer {layer}, {format_bytes(done_bytes / elapsed)}/s, "
                                 f"ETA {format_duration(eta)}", refresh=False)

@@ -12,12 +12,11 @@ from .fp8 import Fp8Format
 from .int4 import Int4Format
 from .layout import ALIGN, BlobLayout, Component, ExpertFormat, swiglu_ref
 from .nf4 import Nf4Format
-from .table import FORMAT_TABLE
+from .table import FORMAT_TABLE, FORMATS
 
 FORMAT_CLASSES: dict[str, type[ExpertFormat]] = {
     name: getattr(importlib.import_module(f"{__package__}.{entry.module}"), entry.cls)
     for name, entry in FORMAT_TABLE.items()}
-FORMATS = tuple(FORMAT_CLASSES)
 
 
 def get_format(name: str, group_size: int | None = None) -> ExpertFormat:

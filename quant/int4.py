@@ -26,8 +26,9 @@ import torch
 from ..errors import UserError
 from .fp8 import BLOCK, fp8_block_dequant, scale_grid_shape
 from .layout import MATRICES, ExpertFormat
+from .table import INT4_GROUP_SIZES
 
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = INT4_GROUP_SIZES
 QMAX = 15
 MIN_RATIO = 0.3
 FP16_TINY = 2.0 ** -24  # smallest positive float16

@@ -24,7 +24,16 @@ NF4_CODE = (
 )
 
 
+# bitsandbytes' CPU backend warns at import that an optional kernel package ("pip install kernels") is missing; the
+# nf4 format does not use that kernel, so the line only misleads
+_QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
+
+
 def _bnb():
+    import logging
+
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         import bitsandbytes
         import bitsandbytes.functional

@@ -1,4 +1,5 @@
-"""The expert formats, one line each: the module that implements a format, and what every kernel knows of it.
+"""The expert formats, one line each: the module that implements a format, and what every kernel knows of it; and
+the names the command line offers before anything heavy is imported (`dsv3lite --help` must not wait for torch).
 
 This is the one place a format's kernel facts live: the Triton launchers (kernels/quant_matmul.py, fused_moe.py),
 the CPU kernels' Python side (kernels/cpu_experts.py, cpu_linear.py, cpu_decode.py) and the planner read it, and the
@@ -35,6 +36,9 @@ FORMAT_TABLE: dict[str, FormatEntry] = {
     "int4g32": FormatEntry("int4g32", "Int4G32Format", triton=4, cpu=6, parts=("qweight", "scales", None),
                            scale_dtype="bfloat16"),
 }
+
+FORMATS = tuple(FORMAT_TABLE)                   # the CLI's --experts choices
+INT4_GROUP_SIZES = (32, 64, 128)                # int4's group sizes (quant/int4.py)
 
 # codes that are not expert formats
 TRITON_FP8_BYTES = 3        # fp8 weights read as bytes and decoded with bit arithmetic (GPUs without native fp8)

@@ -99,3 +99,22 @@ def fp8_dirs(tmp_path_factory, ckpt_factory):
     src = ckpt_factory("v3fp8")
     dst = tmp_path_factory.mktemp("ckpt-fp8") / "fp8"
     return src, write_fp8_copy(src, dst)
+
+
+@pytest.fixture(scope="session")
+def v4_dir(tmp_path_factory):
+    """A tiny DeepSeek-V4 checkpoint in the released layout (FP8 ue8m0 dense weights, MXFP4 experts, an MTP block)
+    with a tokenizer and a chat template."""
+    from dsv3lite.testing_v4 import write_v4_pair
+
+    root = tmp_path_factory.mktemp("ckpt-v4")
+    return write_v4_pair(root / "official", root / "hf", "tiny")[0]
+
+
+@pytest.fixture(scope="session")
+def v4_geometry_dir(tmp_path_factory):
+    """DeepSeek-V4-Flash's geometry (43 layers, 256 experts, top-6, 3 hash layers, its compress_ratios) at tiny widths,
+    in the released layout."""
+    from dsv3lite.testing_v4 import v4_geometry_config, write_v4_official
+
+    return write_v4_official(tmp_path_factory.mktemp("ckpt-v4geometry") / "geometry", v4_geometry_config())

@@ -87,3 +87,18 @@ def test_cuda_peak_above_the_plan_is_warned_once(v3_dir, monkeypatch):
     rt.check_device_memory()
     warnings = [l for l in lines if l.startswith("warning: GPU memory peaked")]
     assert len(warnings) == 1 and "--gpu-mem" in warnings[0]
+
+
+@pytest.mark.parametrize("ctx,slots,mtp", [(64, 8, False), (200, 16, True)])
+def test_v4_measured_device_bytes_stay_within_the_budget(v4_dir, ctx, slots, mtp):
+    """DeepSeek-V4 (v4/sizes.py: its cache objects, fp32 mHC and norms, its workspace): what a full-context prefill
+    and decode hold and allocate fits the plan, past the window and across CSA / HCA boundaries."""
+    budget = offload_budget(v4_dir, slots, None, ctx=ctx, mtp=mtp)
+    llm = dsv3lite.load(v4_dir, device="cpu", gpu_mem=budget, ctx_size=ctx, mtp=mtp, mtp_adaptive=False,
+                        progress=False, log=lambda m: None)
+    llm.stop_ids = set()
+    assert llm.offload is not None and llm.offload.cache.n_slots == slots
+    held, peak = measured_bytes(llm, ctx - 8, 4)
+    plan = llm.offload.plan
+    assert held["kv_cache"] <= plan.kv_cache and held["weights"] <= sum(plan.components.values())
+    assert 0 < sum(held.values()) + peak <= budget - SLACK_BYTES

@@ -145,3 +145,36 @@ def test_cuda_graphs_switch_reaches_the_engine(capsys, v3_dir, monkeypatch):
         rc, out, err = cli(capsys, "generate", "-w", str(v3_dir), "-p", "hi", "-m", "2", flag)
         assert rc == 0, err
         assert seen.pop() is expected
+
+
+def test_v4_generate_and_chat_with_its_template(capsys, monkeypatch, v4_dir):
+    """A released-layout DeepSeek-V4 checkpoint through `generate --json` (its MTP block on) and `chat`, whose
+    prompt is the checkpoint's chat template rendered (the engine's chat tokens)."""
+    import io
+
+    import dsv3lite
+    from dsv3lite import cli as cli_module
+
+    rc, out, err = cli(capsys, "generate", "-w", str(v4_dir), "-p", "hi", "-m", "6", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["prompt_tokens"] > 0 and len(doc["token_ids"]) <= 6 and doc["stats"]["mtp"]["enabled"] is True
+    llm = dsv3lite.load(v4_dir, device="cpu", progress=False, log=lambda m: None)
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
+    assert llm.tokenizer.decode(ids).endswith("<｜Assistant｜>")      # the template's own markers
+    want = [c.token_id for c in llm.generate(ids, max_tokens=5)]
+    assert [c.token_id for c in llm.chat(messages, max_tokens=5)] == want
+    seen = []
+    real = cli_module._engine
+
+    def engine(o):
+        e = real(o)
+        generate = e.generate
+        e.generate = lambda prompt, **kw: (seen.append(list(prompt)), generate(prompt, **kw))[1]
+        return e
+    monkeypatch.setattr(cli_module, "_engine", engine)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\n/exit\n"))
+    rc, out, err = cli(capsys, "chat", "-w", str(v4_dir), "-m", "5", "--temp", "0")
+    assert rc == 0, err
+    assert seen and seen[0] == ids and "tok (length)" in err       # the template rendered, as the engine's chat

@@ -170,17 +170,21 @@ def test_no_compiler_means_one_notice_and_the_twin(monkeypatch, capsys):
         cpu_build._load.cache_clear()
 
 
-def test_build_goes_to_the_cache_dir(tmp_path, monkeypatch):
-    """A fresh cache directory gets one library; a second load reuses it."""
+def test_build_goes_to_the_cache_dir(tmp_path, monkeypatch, capsys):
+    """A fresh cache directory gets one library, built with one line saying so; a second load reuses it quietly."""
     compiled()
     monkeypatch.setenv("DSV3LITE_CACHE_DIR", str(tmp_path))
     cpu_build._load.cache_clear()
     try:
+        capsys.readouterr()
         assert cpu_build.library() is not None
         built = list(tmp_path.rglob("*.so"))
         assert len(built) == 1 and built[0].parent.parent == tmp_path / "cpu_kernels"
+        said = capsys.readouterr().err.splitlines()
+        assert said == [f"compiling the CPU kernels once (about 10-30 s; kept in {built[0].parent})"]
         cpu_build._load.cache_clear()
         assert cpu_build.library() is not None and list(tmp_path.rglob("*.so")) == built
+        assert capsys.readouterr().err == ""
     finally:
         monkeypatch.delenv("DSV3LITE_CACHE_DIR")
         cpu_build._load.cache_clear()

@@ -114,7 +114,7 @@ def test_cost_model_is_timed_at_one_and_four_tokens_with_the_worker_threads(monk
         c = rt.cost
         assert c.threads == rt.worker.threads and 0 < c.cpu_s_1 <= c.cpu_s_4 < 1
         assert c.cpu_s(1) == c.cpu_s_1 and c.cpu_s(4) == pytest.approx(c.cpu_s_4)
-        assert "for 1 token" in c.describe() and "threads" in c.describe()
+        assert "for 1 token" in c.describe() and f"({rt.worker.threads} thread" in c.describe()
     finally:
         rt.close()
 

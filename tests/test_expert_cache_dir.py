@@ -3,6 +3,7 @@ launches, token-identical to quantizing at load; reused, listed and cleared; an 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -93,6 +94,31 @@ def test_no_room_on_disk_falls_back_to_quantizing_at_load(src, cache, monkeypatc
     load(src, lines, experts="int4")
     assert any("do not fit" in l and "quantizing at load instead" in l for l in lines)
     assert expert_cache_dir.entries(cache) == []
+
+
+def test_a_read_only_cache_serves_what_it_holds_and_else_falls_back(src, cache, monkeypatch):
+    tokens = greedy(load(src, [], experts="int4"))                          # writes the int4 entry
+    monkeypatch.setattr(expert_cache_dir, "write_problem", lambda d: "Read-only file system")
+    lines = []
+    assert greedy(load(src, lines, experts="int4")) == tokens               # mapped, as before
+    assert any(l.startswith("expert cache: mapping int4") for l in lines)
+    lines = []
+    assert greedy(load(src, lines, experts="int8"))                         # nothing cached: quantized at load
+    assert any("cannot write under" in l and "Read-only file system" in l for l in lines)
+    assert any("quantizing routed experts to int8 at load" in l for l in lines)
+
+
+def test_a_disk_that_fills_while_writing_falls_back(src, cache, monkeypatch):
+    from dsv3lite.quant import tensorfile
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(tensorfile, "_pwrite_all", full)
+    lines = []
+    tokens = greedy(load(src, lines, experts="int4"))
+    assert any("No space left on device" in l and "quantizing at load instead" in l for l in lines), lines
+    monkeypatch.setenv(expert_cache_dir.ENV, "off")
+    assert greedy(load(src, [], experts="int4")) == tokens
 
 
 def test_interrupted_write_is_resumed_by_the_next_launch(src, cache, tmp_path):

@@ -118,7 +118,7 @@ def test_fp32_logits_match_transformers_on_the_dequantized_checkpoint(which, k2_
                                                                       monkeypatch):
     from transformers import AutoModelForCausalLM, Kimi_K25ForConditionalGeneration
 
-    from dsv3lite.loader import load_model
+    from dsv3lite.builder import load_network
     from dsv3lite.testing_int4 import write_dequantized_copy
 
     src = k2_dir if which == "k2" else k25_dir
@@ -127,7 +127,7 @@ def test_fp32_logits_match_transformers_on_the_dequantized_checkpoint(which, k2_
                              experts_implementation="eager").eval()
     x = torch.randint(0, 400, (2, 24), generator=torch.Generator().manual_seed(0))
     want = hf(input_ids=x).logits
-    kernel = load_model(src, torch.device("cpu"), torch.float32, progress=False, log=lambda m: None)
+    kernel = load_network(src, "cpu", torch.float32, log=lambda m: None)
     assert type(kernel.layers[1].ffn.experts).__name__ == "BlobExperts"         # never dense
     got_kernel = kernel(x)
     monkeypatch.setenv("DSV3LITE_CPU_KERNELS", "ref")                           # the dequantizing path

@@ -61,6 +61,7 @@ def test_a_cuda_budget_keeps_a_reserve_and_names_the_largest_that_works(monkeypa
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(78.5 * gib), int(79.6 * gib)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cuda = torch.device("cuda")
     assert setup.resolve_budget("40G", cuda) == 40 * gib - setup.CUDA_RESERVE_BYTES       # planned inside the budget
     assert setup.resolve_budget("auto", cuda) == int(78.5 * gib) - setup.CUDA_RESERVE_BYTES

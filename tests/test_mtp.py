@@ -175,3 +175,19 @@ def test_mtp_turns_itself_off_when_drafts_are_rarely_accepted():
     for _ in range(MTPTimer.JUDGE_AFTER):
         off.spec(0.1, tokens=1, drafted=1, accepted=0)
     assert off.verdict() is None                                # not adaptive: never judged
+
+
+def test_tokens_per_forward_agrees_with_the_acceptance(mtp_dir):
+    """A reply cut by max_tokens right after an accepted draft (prefill token, then one forward whose draft is
+    accepted, max_tokens 2): the stats count what the forwards produced, so 100% acceptance with one draft is 2
+    tokens per forward (it read 1.00 when the cut token was left out); and over real replies 1 + the acceptance."""
+    from dsv3lite.generate import RunStats
+
+    spec = load(mtp_dir, mtp=True, num_draft_tokens=1, mtp_adaptive=False)
+    spec.last = RunStats(prompt_tokens=3, generated_tokens=2, main_forwards=1, drafted=1, accepted=1)
+    s = spec.stats()["mtp"]
+    assert s["acceptance_rate"] == 1.0 and s["tokens_per_forward"] == 2.0
+    for n in range(2, 9):
+        list(spec.generate("The quick brown fox jumps", max_tokens=n, temperature=1.0, seed=n))
+        s = spec.stats()["mtp"]
+        assert s["tokens_per_forward"] == pytest.approx(1 + s["acceptance_rate"]), (n, s)

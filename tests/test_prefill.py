@@ -18,8 +18,8 @@ def long_dir(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("prefill") / "m", "v3", max_position_embeddings=2048)
 
 
-def prompt(seed=0):
-    return torch.randint(3, 400, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
+def prompt(seed=0, vocab=400):
+    return torch.randint(3, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def load(path, **kw):
@@ -70,3 +70,42 @@ def test_offloaded_prefill_moves_each_expert_once_per_prompt(long_dir, monkeypat
     monkeypatch.setattr(generate, "LAYER_MAJOR_TOKENS", PREFILL_CHUNK)
     _, chunked_copies = prefill_copies()
     assert chunked_copies > 2 * copies                         # once per chunk: three chunks
+
+
+@torch.no_grad()
+def test_v4_layer_major_equals_chunk_major(v4_dir, monkeypatch):
+    """DeepSeek-V4 (streams, mHC around each feed-forward, hash routers reading the chunk's tokens): the layer-major
+    prompt gives the chunk-major order's logits, hidden streams and caches (the next position's logits)."""
+    ids = prompt(2, vocab=300)
+    out = []
+    for order in ("layer-major", "chunk-major"):
+        if order == "chunk-major":
+            monkeypatch.setattr(generate, "LAYER_MAJOR_TOKENS", PREFILL_CHUNK)
+        llm = load(v4_dir)
+        llm._ensure_cache()
+        logits, hidden, _ = llm._prefill(ids)
+        nxt = llm.model.logits(llm.model.hidden(torch.tensor([[7]]), len(ids), llm.cache))
+        out.append((logits, hidden, nxt))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_v4_offloaded_prefill_moves_each_expert_once_per_prompt(v4_dir, monkeypatch):
+    ids = prompt(3, vocab=300)
+    expected = [c.token_id for c in load(v4_dir).generate(ids, max_tokens=6)]
+    budget = offload_budget(v4_dir, 6, None, ctx=PROMPT_LEN + 32, mtp=False)
+
+    def prefill_copies():
+        llm = load(v4_dir, gpu_mem=budget, miss_policy="fetch")
+        rt, calls = llm.offload, []
+        end_prefill = rt.end_prefill
+        monkeypatch.setattr(rt, "end_prefill", lambda: (calls.append(rt.cache.counts.h2d_copies), end_prefill()))
+        return [c.token_id for c in llm.generate(ids, max_tokens=6)], calls[0]
+
+    tokens, copies = prefill_copies()
+    assert tokens == expected
+    a = dsv3lite.config.ModelArgs.from_dir(v4_dir)
+    assert copies <= len(a.moe_layer_ids) * a.n_routed_experts
+    monkeypatch.setattr(generate, "LAYER_MAJOR_TOKENS", PREFILL_CHUNK)
+    _, chunked_copies = prefill_copies()
+    assert chunked_copies > 2 * copies

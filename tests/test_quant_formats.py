@@ -387,3 +387,16 @@ def test_pack_rejects_mismatched_shapes(name):  # shapes are checked before any 
         fmt.pack(gate, up, down.T)
     with pytest.raises(ValueError):
         fmt.pack(gate, up[:4], down)
+
+
+def test_nf4_prints_no_line_about_a_kernel_package_it_does_not_use(v3_dir):
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("bitsandbytes")
+    env = {**os.environ, "DSV3LITE_EXPERT_CACHE": "off", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "dsv3lite.cli", "generate", "-w", str(v3_dir), "--experts", "nf4",
+                        "-p", "hi", "-m", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "pip install kernels" not in r.stderr and "gemm_4bit" not in r.stderr

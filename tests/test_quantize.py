@@ -2,6 +2,7 @@
 original model, interrupt + --resume, and one clear line for every bad input."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -257,7 +258,7 @@ def _wait_for_first_layer(proc: subprocess.Popen, partial: Path, timeout: float 
     raise AssertionError("quantize did not finish its first layer in time")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["SIGKILL", "SIGINT", "SIGTERM"])
 def test_interrupted_quantize_leaves_only_partial_and_resume_finishes_it(work, bf16_src, quantized, capsys, sig):
     dst = work / f"q-interrupted-{sig.name}"
     partial = work / (dst.name + ".partial")
@@ -266,7 +267,7 @@ def test_interrupted_quantize_leaves_only_partial_and_resume_finishes_it(work, b
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
-    if sig == signal.SIGINT:                        # Ctrl-C: one line that says how to continue
+    if sig != signal.SIGKILL:                       # Ctrl-C, kill: one line that says how to continue
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and "--resume" in lines[0] and "Traceback" not in err, err
     assert not dst.exists() and partial.is_dir()
@@ -276,6 +277,38 @@ def test_interrupted_quantize_leaves_only_partial_and_resume_finishes_it(work, b
     assert rc == 0, capsys.readouterr().err
     assert not partial.exists()
     assert _files(dst) == _files(quantized("int4"))                 # identical to an uninterrupted run
+
+
+def test_a_disk_that_fills_part_way_is_one_line_and_resume_finishes(work, bf16_src, quantized, capsys, monkeypatch):
+    from dsv3lite.quant import tensorfile
+
+    dst = work / "q-disk-full"
+    real, calls = tensorfile._pwrite_all, []
+
+    def fills_up(fd, data, offset):
+        calls.append(offset)
+        if len(calls) > 40:                         # the dense file and some experts land, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data, offset)
+    monkeypatch.setattr(tensorfile, "_pwrite_all", fills_up)
+    rc = main(["quantize", str(bf16_src), str(dst), "--experts", "int4"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert "No space left on device" in lines[0] and "--resume" in lines[0]
+    monkeypatch.setattr(tensorfile, "_pwrite_all", real)
+    assert main(["quantize", str(bf16_src), str(dst), "--experts", "int4", "--resume"]) == 0
+    assert _files(dst) == _files(quantized("int4"))
+
+
+def test_a_read_only_destination_is_named(work, bf16_src, capsys, monkeypatch):
+    import tempfile
+
+    def read_only(*a, **kw):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    _one_line_error(capsys, ["quantize", bf16_src, work / "ro" / "dst", "--experts", "int4"], "Read-only file system")
+    assert not (work / "ro" / "dst.partial").exists()
 
 
 # ---- one clear line for every bad input --------------------------------------------------------------------------
@@ -379,3 +412,21 @@ def test_quantize_progress_on_a_terminal(work, columns, shows):
     assert term.close() == 0
     assert shows in term.seen and "0.00 GB/s" not in term.seen
     assert f"{len(args.moe_layer_ids)} MoE layers + the MTP layer x {args.n_routed_experts} experts" in term.seen
+
+
+def test_the_first_eta_leaves_out_the_start_up():
+    """The first experts carry one-off costs (cold reads, start-up): 10 s, then 0.5 s per expert. The ETA stated up
+    front is the steady rate's, not the start-up's (which made it 4-15x too long)."""
+    from dsv3lite.quant.checkpoint import Eta
+
+    now = [0.0]
+    eta = Eta(total=1000, warm=2, clock=lambda: now[0])
+    stated = None
+    for done in range(1, 1001):
+        now[0] += 10.0 if done <= 2 else 0.5
+        left = eta.update(done)
+        if eta.first(done):
+            stated, at = left, done
+    assert at == 4 and stated == pytest.approx((1000 - 4) * 0.5) and eta.per_item == pytest.approx(0.5)
+    one = Eta(total=1, warm=2, clock=lambda: now[0])
+    assert one.first(1) and one.update(1) == 0

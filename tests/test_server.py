@@ -262,6 +262,16 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ("/v1/chat/completions", {**GOOD, "stream": "yes"}, 400, "stream", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 300}]}, 400, "messages",
      "context_length_exceeded"),
+    ("/v1/chat/completions", {**GOOD, "seed": 10**23}, 400, "seed", None),
+    ("/v1/chat/completions", {**GOOD, "seed": -2**64}, 400, "seed", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages[0].content",
+     "invalid_unicode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udcff"}]}]}, 400,
+     "messages[0].content", "invalid_unicode"),
+    ("/v1/chat/completions", {**GOOD, "stop": ["a", "\ud800"]}, 400, "stop", "invalid_unicode"),
+    ("/v1/chat/completions", b"[" * 100_000, 400, None, "invalid_json"),
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 100_000, 400, None, "invalid_json"),
+    ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}, 400, "prompt", "invalid_unicode"),
     ("/v1/completions", {"max_tokens": 2}, 400, "prompt", "missing_required_parameter"),
     ("/v1/completions", {"prompt": [5, 10**9]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": list(range(5, 5 + CTX))}, 400, "prompt", "context_length_exceeded"),
@@ -278,6 +288,13 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param, code)
         assert err["code"] == code
     if code == "context_length_exceeded":
         assert f"context holds {CTX}" in err["message"]
+
+
+def test_largest_seed_is_taken(client, v3_dir):
+    for seed in (2**64 - 1, -2**63):
+        r = client.chat.completions.create(model=v3_dir.name, messages=GOOD["messages"], max_tokens=2, seed=seed,
+                                           temperature=1.0)
+        assert r.usage.completion_tokens == 2
 
 
 def test_oversized_body_is_413_and_server_lives_on(server):
@@ -300,6 +317,69 @@ def test_unexpected_engine_error_is_500_and_server_lives_on(server, llm, monkeyp
     assert r.status_code == 200 and "simulated fault" in r.text and "[DONE]" not in r.text   # reported in-band
     monkeypatch.undo()
     assert httpx.post(server.url + "/v1/chat/completions", json=GOOD, timeout=30).status_code == 200
+
+
+def test_a_shutdown_ends_replies_in_flight_with_an_error_and_done(llm, v3_dir, monkeypatch):
+    """SIGINT / SIGTERM (uvicorn's handle_exit, called as the signal handler would): a running stream, a queued
+    stream and a queued whole reply each end at once, saying why; the streams with [DONE]; the log says "stopped"."""
+    from dsv3lite.testing import paced
+
+    monkeypatch.setattr(llm, "generate", paced(llm.generate, 0.02))
+    lines: list[str] = []
+    done: dict[str, object] = {}
+    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": CTX - 20}
+    with ServerThread(create_app(llm, ui=False, log=lines.append)) as s:
+        started = []
+
+        def stream(name, path, body):
+            with httpx.stream("POST", s.url + path, json={**body, "stream": True}, timeout=30) as r:
+                events = []
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                        started.append(name)
+                done[name] = events
+
+        def whole():
+            done["whole"] = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=30)
+
+        with ThreadPoolExecutor(3) as pool:
+            pool.submit(stream, "chat", "/v1/chat/completions", body)
+            deadline = time.monotonic() + 20
+            while "chat" not in started:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            pool.submit(stream, "completion", "/v1/completions", {"prompt": "go", "max_tokens": CTX - 20})
+            pool.submit(whole)
+            time.sleep(0.3)                                   # both queued behind the first
+            t0 = time.monotonic()
+            s.server.handle_exit(signal.SIGTERM, None)
+        assert time.monotonic() - t0 < 5
+    for name in ("chat", "completion"):
+        *_, error, last = done[name]
+        assert last == "data: [DONE]", done[name][-3:]
+        assert json.loads(error.removeprefix("data: "))["error"]["code"] == "server_shutdown"
+    assert done["whole"].status_code == 503 and done["whole"].json()["error"]["code"] == "server_shutdown"
+    stopped = [line for line in lines if "(stopped)" in line]
+    assert len(stopped) == 3, lines
+    assert not any("Traceback" in line or " 500 " in line for line in lines)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_stops_gracefully_on_a_signal(v3_dir, sig):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dsv3lite.cli", "serve", "--no-ui", "-w", str(v3_dir),
+                             "--port", "0", "-c", str(CTX)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert "serving" in proc.stdout.readline()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert f"{sig.name}: stopping" in err and err.rstrip().endswith("server stopped") and "Traceback" not in err
 
 
 def test_api_key(llm, v3_dir):
@@ -431,3 +511,22 @@ def test_serve_reports_a_taken_port_in_one_line(v3_dir):
         assert main(["serve", "--no-ui", "-w", str(v3_dir), "--port", str(port)]) != 0
     finally:
         sock.close()
+
+
+def test_v4_checkpoint_is_served(v4_dir):
+    """A released-layout DeepSeek-V4 checkpoint behind the API: chat and completions (streamed and whole) equal the
+    engine's greedy replies, with its MTP block speculating; the stats endpoint reports the run."""
+    oracle, llm = load(v4_dir), load(v4_dir)
+    messages = [{"role": "user", "content": "To be, or not to be?"}]
+    want = chat_text(oracle, messages, max_tokens=8)
+    with ServerThread(create_app(llm, ui=False, sampling={"max_tokens": 8}, log=lambda m: None)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=v4_dir.name, messages=messages, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == want and r.usage.completion_tokens == 8
+        chunks = list(client.chat.completions.create(model=v4_dir.name, messages=messages, max_tokens=8,
+                                                     temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+        text = complete_text(oracle, "The quick brown fox", max_tokens=6)
+        r = client.completions.create(model=v4_dir.name, prompt="The quick brown fox", max_tokens=6, temperature=0)
+        assert r.choices[0].text == text
+        assert server_stats(server)["mtp"]["enabled"] is True

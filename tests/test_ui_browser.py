@@ -172,3 +172,21 @@ def test_phone_width_layout(browser, served):
         assert b["x"] >= 0 and b["x"] + b["width"] <= 420 and b["width"] >= 60, (button, b)
     assert page.evaluate("document.scrollingElement.scrollWidth") <= 420
     assert page.errors == []
+
+
+def test_v4_checkpoint_in_the_web_ui(page, v4_dir):
+    """A released-layout DeepSeek-V4 checkpoint behind the UI: a reply streams to its end, the stats panel shows
+    its figures and the routing heat map of its layers (the MTP block's included)."""
+    llm = dsv3lite.load(v4_dir, device="cpu", ctx_size=128, progress=False, log=lambda m: None)
+    llm.stop_ids = set()
+    app = create_app(llm, ui=True, sampling={"max_tokens": 12}, log=lambda m: None)
+    with ServerThread(app) as server:
+        open_ui(page, server)
+        send(page, "Hello there")
+        wait_for_reply(page, "length")
+        stats = page.locator("#dsv3lite-stats").inner_text()
+        assert re.search(r"reply\s+12 tok", stats) and float(STATS_DONE.search(stats).group(1)) > 0
+        assert bot_text(page).strip() and no_error_badge(page)
+        assert page.locator("#dsv3lite-chart svg image").count() >= 1
+        assert app.state.runner.last_stats["mtp"]["enabled"] is True
+        assert page.errors == []

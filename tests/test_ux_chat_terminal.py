@@ -85,3 +85,31 @@ def test_chat_line_editing_and_history(chat, tmp_path):
     assert term.close() == 0
     lines = history.read_text().splitlines()
     assert "/fromfile" in lines and "/abXc" in lines and not any("[D" in l for l in lines)
+
+
+def test_a_multi_line_message_is_one_history_entry(chat, tmp_path):
+    history = tmp_path / ".dsv3lite_history"
+    after_reply = "tok/s"                             # the stats line, then a fresh prompt takes keys
+    term = chat()
+    term.expect(">>> ")
+    for line in ('"""', "first line"):
+        term.send(line + "\r")
+        term.expect("... ")
+        term.seen = ""
+    term.send('second line"""\r')
+    term.expect(after_reply)
+    prompt_tokens = term.seen.split(" prompt tok")[0].split()[-1]
+    term.expect(">>> ")
+    term.send("\x04")
+    assert term.close() == 0
+    assert history.read_text().splitlines() == ['"""first line\\nsecond line"""']
+    term = chat()                                     # the next chat recalls it as one message with Up
+    term.expect(">>> ")
+    term.seen = ""
+    term.send(f"{UP}\r")
+    term.expect(after_reply)
+    term.expect(">>> ")
+    term.send("\x04")
+    assert term.close() == 0
+    assert "... " not in term.seen and f"{prompt_tokens} prompt tok" in term.seen     # sent whole: no continuation prompt
+    assert history.read_text().splitlines() == ['"""first line\\nsecond line"""']   # readline keeps no repeat

@@ -7,9 +7,11 @@ import io
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,35 @@ def test_trace_output_is_checked_before_loading(capsys, no_load, v3_dir, out, ne
     one_line_error(rc, err, needle)
 
 
+def test_trace_names_a_read_only_file_system(capsys, no_load, v3_dir, tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    def read_only(*a, **kw):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    rc, _, err = run(capsys, "trace", "-w", v3_dir, "-p", "hi", "-o", tmp_path / "t.jsonl")
+    one_line_error(rc, err, "Read-only file system")
+    assert "permission" not in err
+
+
+def test_sigterm_is_one_line_and_exit_143(capsys, monkeypatch, v3_dir):
+    import signal
+
+    def terminated(o):
+        os.kill(os.getpid(), signal.SIGTERM)       # as `kill` or `docker stop` would, while the model loads
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the command")
+    monkeypatch.setattr(cli_module, "_engine", terminated)
+    rc, _, err = run(capsys, "generate", "-w", v3_dir, "-p", "hi")
+    assert rc == 143 and err.strip() == "terminated (SIGTERM)"
+
+
+def test_huge_seed_is_one_line(capsys, v3_dir):
+    rc, _, err = run(capsys, "generate", "-w", v3_dir, "-p", "hi", "--seed", "99999999999999999999999")
+    one_line_error(rc, err, "seed must be an integer from")
+
+
 def test_trace_writes_and_summarises(capsys, tmp_path, v3_dir):
     out_file = tmp_path / "t.jsonl"
     rc, out, err = run(capsys, "trace", "-w", v3_dir, "-p", "hello there", "-m", "6", "-o", out_file,
@@ -119,6 +150,18 @@ def test_trace_writes_and_summarises(capsys, tmp_path, v3_dir):
     hits = sum(len(used & trace.predictions[(step, layer)][1]) for step, used in steps)
     assert rows[str(layer)][1] == f"{hits / sum(len(u) for _, u in steps):.0%}"   # the "1 ahead" column
     assert rows[str(layer)][0] == str(len(set().union(*(u for _, u in steps))))
+    progress = [l for l in err.splitlines() if l.startswith("tracing: ")]
+    assert progress and progress[-1] == "tracing: 6/6 tokens"                      # no terminal: a line a quarter
+    hint = out.strip().splitlines()[-1]
+    assert hint.startswith("replay it") and str(out_file) in hint
+    sim = Path(hint.split("python ", 1)[1].split(" --trace")[0])
+    assert sim.is_file() and sim.name == "cache_sim.py"                            # (a source checkout here)
+
+
+def test_the_replay_hint_of_an_installed_package(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli_module, "__file__", str(tmp_path / "site-packages" / "dsv3lite" / "cli.py"))
+    hint = cli_module._replay_hint(tmp_path / "t.jsonl")
+    assert "source tree (not installed with the package)" in hint
 
 
 def _with_mid_stream_note(monkeypatch):
@@ -229,7 +272,8 @@ def test_info_shows_the_stored_expert_bytes(capsys, tmp_path, v3_dir):
     blob = manifest["layout"]["blob_bytes"]
     assert q["component_bytes"]["routed experts"] == n_main * manifest["n_experts"] * blob
     assert q["component_bytes"]["routed experts"] < hf["component_bytes"]["routed experts"] / 2    # int4 vs bf16
-    assert q["component_bytes"]["embeddings"] == hf["component_bytes"]["embeddings"]
+    assert q["component_bytes"]["embeddings"] == 2 * q["components"]["embeddings"]         # bf16, as quantize writes
+    assert hf["component_bytes"]["embeddings"] == 4 * hf["components"]["embeddings"]        # fp32, as this one is
     text = run(capsys, "info", "-w", dst)[1]
     assert "int4 (group 32) routed experts" in text
 
@@ -243,3 +287,77 @@ def test_readme_test_command_prints_what_ran(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"\b1 passed\b", r.stdout), r.stdout
+
+
+def _plan_host_tier(out: str) -> str:
+    return re.search(r"host tier: ([0-9.]+ \w+)", out).group(1)
+
+
+def test_info_and_plan_agree_on_the_experts_the_host_tier_and_mtp(capsys, tmp_path, v3_dir):
+    """An FP8 checkpoint's config alone (DeepSeek-V3's), and a checkpoint that declares an MTP layer it lacks."""
+    script = runpy.run_path(str(ROOT / "scripts" / "memory_table.py"))
+    v3 = tmp_path / "v3"
+    v3.mkdir()
+    (v3 / "config.json").write_text(json.dumps(script["MODELS"]["DeepSeek-V3 / R1 (671B)"]))
+    info = json.loads(run(capsys, "info", "-w", v3, "--json")[1])
+    rc, out, _ = run(capsys, "plan", "-w", v3, "--gpu-mem", "80G", "--device", "cuda")
+    assert rc == 0 and "on cuda (bfloat16)" in out and "expert slots (" in out and ", fp8)" in out
+    from dsv3lite.utils import format_bytes
+    assert info["expert_format"] == "fp8" and format_bytes(info["host_tier_bytes"]) == _plan_host_tier(out) \
+        == "619.65 GiB"
+    assert info["mtp_layer"] and "MTP routed experts" in info["components"]
+    text = run(capsys, "info", "-w", v3)[1]
+    assert "619.65 GiB of fp8 routed-expert blobs" in text
+
+    info = json.loads(run(capsys, "info", "-w", v3_dir, "--json")[1])       # declares 1 MTP layer, has none
+    rc, out, _ = run(capsys, "plan", "-w", v3_dir, "--gpu-mem", "1M", "--device", "cpu", "-c", "64")
+    assert not info["mtp_layer"] and "MTP routed experts" not in info["components"]
+    from dsv3lite.offload.setup import plan_for
+    from dsv3lite.config import ModelArgs
+    import torch
+    plan, _, with_mtp = plan_for(v3_dir, ModelArgs.from_dir(v3_dir), 1 << 30, 64, None, True, torch.float32)
+    assert not with_mtp and plan.host_bytes == info["host_tier_bytes"]
+    assert "absent from the checkpoint (MTP off)" in run(capsys, "info", "-w", v3_dir)[1]
+
+
+def test_info_counts_bytes_as_stored(capsys, fp8_dirs):
+    src, fp8 = fp8_dirs
+    bf16_info = json.loads(run(capsys, "info", "-w", src, "--json")[1])
+    fp8_info = json.loads(run(capsys, "info", "-w", fp8, "--json")[1])
+    assert fp8_info["expert_format"] == "fp8" and bf16_info["expert_format"] == "bf16"
+    assert "f8_e4m3" in fp8_info["stored_as"]
+    files = sum(f.stat().st_size for f in fp8.glob("*.safetensors"))
+    assert sum(fp8_info["component_bytes"].values()) <= files                # what the files hold, headers aside
+    assert fp8_info["component_bytes"]["routed experts"] < 0.6 * bf16_info["component_bytes"]["routed experts"]
+
+
+def test_plan_for_cuda_works_on_any_machine(capsys, v3_dir):
+    rc, out, err = run(capsys, "plan", "-w", v3_dir, "--gpu-mem", "4G", "--device", "cuda", "-c", "64")
+    assert rc == 0 and "on cuda (bfloat16)" in out and "2.50 GiB" in out      # 4 GiB less the CUDA reserve
+    rc, _, err = run(capsys, "plan", "-w", v3_dir, "--gpu-mem", "auto", "--device", "cuda")
+    one_line_error(rc, err, "give a size")
+
+
+def test_help_imports_no_torch():
+    code = "import sys\nfrom dsv3lite.cli import main\nmain(['--help'])\nprint('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip().endswith("False") and "Commands:" in r.stdout
+
+
+def test_the_program_ends_when_its_command_is_done(monkeypatch, capsys):
+    """Run as the program (argv None), exit handlers run and output is flushed, then the process ends at once (the
+    interpreter's teardown of torch kept a finished command alive 1-3 s)."""
+    import atexit
+
+    calls = []
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: calls.append("exit handlers"))   # (not this process's)
+    monkeypatch.setattr(sys, "argv", ["dsv3lite", "--version"])
+
+    def exit_now(rc):
+        calls.append(rc)
+        raise SystemExit(rc)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    with pytest.raises(SystemExit):
+        main()
+    assert calls == ["exit handlers", 0] and "version" in capsys.readouterr().out
+    assert main(["--version"]) == 0 and calls == ["exit handlers", 0]   # called with argv (tests, scripts): returns

@@ -29,11 +29,12 @@ def logged(v3_dir):
         yield server, lines, llm
 
 
-def line_for(lines: list[str], needle: str, timeout: float = 10) -> str:
-    """The log line holding `needle` (it is written as the response ends, so it may trail the client a little)."""
+def line_for(lines: list[str], needle: str, timeout: float = 10, after: int = 0) -> str:
+    """The log line holding `needle` among lines[after:] (it is written as the response ends, so it may trail the
+    client a little)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [l for l in lines if needle in l]
+        found = [l for l in lines[after:] if needle in l]
         if found:
             return found[-1]
         time.sleep(0.02)
@@ -77,6 +78,20 @@ def test_ids_past_the_tokenizer_are_logged(logged, monkeypatch):
     assert '"POST /v1/completions" 200 2 tok (1 ids past the tokenizer\'s vocabulary)' in line
 
 
+def test_a_stream_its_client_left_is_logged_as_cancelled(logged, monkeypatch):
+    from dsv3lite.testing import paced
+
+    server, lines, llm = logged
+    monkeypatch.setattr(llm, "generate", paced(llm.generate, 0.02))
+    before = len(lines)
+    with httpx.stream("POST", server.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 40, "stream": True},
+                      timeout=30) as r:
+        events = r.iter_lines()
+        assert next(events).startswith("data: ")             # one token, then hang up
+    line = line_for(lines, '"POST /v1/completions" 200 ', after=before)
+    assert "(cancelled)" in line and " 40 tok" not in line
+
+
 @pytest.mark.parametrize("method,path,allow", [("GET", "/v1/chat/completions", "POST"),
                                                ("GET", "/v1/completions", "POST"),
                                                ("POST", "/v1/models", "GET"),
@@ -115,3 +130,36 @@ def test_idle_serve_with_the_ui_uses_no_cpu(v3_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_request_without_max_tokens_runs_to_the_context():
+    """As llama-server's and ollama's: a request without max_tokens stops at a stop token or a full context (it
+    stopped at an undocumented 256)."""
+    llm = dsv3lite.load(device="cpu", ctx_size=400, mtp=False, progress=False, log=lambda m: None)   # the demo
+    llm.stop_ids = set()
+    with ServerThread(create_app(llm, ui=False, log=lambda m: None)) as server:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "ab"}, timeout=120)
+        assert r.status_code == 200, r.text
+        use, choice = r.json()["usage"], r.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and use["total_tokens"] >= llm.ctx_size - 1
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 3}, timeout=60)
+        assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_serve_flags_reach_the_server(monkeypatch, v3_dir):
+    from dsv3lite.app import server as server_module
+    from dsv3lite.cli import main
+
+    seen = {}
+    monkeypatch.setattr(server_module, "serve", lambda load, **kw: seen.update(kw))
+    assert main(["serve", "--no-ui", "-w", str(v3_dir), "--max-body", "2K"]) == 0
+    assert seen["max_body_bytes"] == 2048 and seen["sampling"]["max_tokens"] is None     # no -m: to the context
+    assert main(["ui", "-w", str(v3_dir), "-m", "5"]) == 0
+    assert seen["max_body_bytes"] is None and seen["sampling"]["max_tokens"] == 5
+
+
+def test_a_body_past_the_cap_names_the_flag(v3_dir):
+    llm = dsv3lite.load(v3_dir, device="cpu", ctx_size=64, progress=False, log=lambda m: None)
+    with ServerThread(create_app(llm, ui=False, max_body_bytes=2048, log=lambda m: None)) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x" * 3000, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 413 and "--max-body" in r.json()["error"]["message"]

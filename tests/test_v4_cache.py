@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from dsv3lite.limits import MAX_DRAFT_TOKENS
-from dsv3lite.testing_v4 import v4_config, write_v4_pair
+from dsv3lite.testing_v4 import load_v4, v4_config, write_v4_pair
 from dsv3lite.v4.cache import new_cache
 from dsv3lite.v4.checkpoint import checkpoint_name
 from dsv3lite.v4.config import CSA, HCA, SLIDING
-from dsv3lite.v4.loader import load_v4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = dict(log=lambda m: None)
@@ -40,7 +39,8 @@ def plain_run(model, seq, prompt):
         states = [model.hidden(seq[:, :prompt], 0, cache)]
         states += [model.hidden(seq[:, p:p + 1], p, cache) for p in range(prompt, seq.shape[1])]
         state = torch.cat(states, 1)
-        mtp = torch.cat([model.mtp_hidden(state[:, p:p + 1], seq[:, p + 1:p + 2], p, cache)
+        own = cache[model.args.num_hidden_layers]
+        mtp = torch.cat([model.mtp_hidden(state[:, p:p + 1], seq[:, p + 1:p + 2], p, own)
                          for p in range(seq.shape[1] - 1)], 1)
         return model.logits(state), model.mtp_logits(mtp)
 
@@ -72,12 +72,13 @@ def test_rollback_after_verify_equals_plain_decoding(model):
             keep = min(1 + accept, chunk.shape[1])
             got[:, pos:pos + keep] = model.logits(verify[:, :keep])
             state = torch.cat([state, verify[:, :keep]], 1)
-            cache.truncate(pos + keep)
+            cache.truncate(pos + keep, main=True)
             pos += keep
             # the MTP block catches up over the accepted pairs, in a verify-sized pass, then rolls back one
             end = min(pos, seq.shape[1] - 1)
             if end > mtp_pos:
-                mtp = model.mtp_hidden(state[:, mtp_pos:end], seq[:, mtp_pos + 1:end + 1], mtp_pos, cache)
+                mtp = model.mtp_hidden(state[:, mtp_pos:end], seq[:, mtp_pos + 1:end + 1], mtp_pos,
+                                       cache[a.num_hidden_layers])
                 got_mtp[:, mtp_pos:end] = model.mtp_logits(mtp)
                 if end - mtp_pos > 1:                        # keep the last pair to redo: a rollback of the ring
                     cache[a.num_hidden_layers].truncate(end - 1)
@@ -88,6 +89,8 @@ def test_rollback_after_verify_equals_plain_decoding(model):
 
 
 def test_truncate_contract(model):
+    """truncate reaches 0 or any length down to MAX_DRAFT_TOKENS + 1 before the furthest write, across several writes
+    (a verify pass, or drafts written one at a time); keepable says how far a prefix can be kept (0: start again)."""
     a = model.args
     cache = new_cache(a, 64, with_mtp=False)
     seq = sequence(model, 40, seed=2)
@@ -95,16 +98,30 @@ def test_truncate_contract(model):
         model.hidden(seq[:, :30], 0, cache)
         with pytest.raises(ValueError):      # inside a long (prefill) write: its ring slots are overwritten
             cache.truncate(10)
+        assert cache.keepable(10) == 0 and cache.keepable(28) == 28 and cache.keepable(99) == 30
         model.hidden(seq[:, 30:34], 30, cache)
         cache.truncate(31)                                   # back to a length inside the last (verify) write
         with pytest.raises(ValueError):
-            cache.truncate(29)                               # before it
+            cache.truncate(29)                               # more than MAX_DRAFT_TOKENS + 1 before position 34
+        assert cache.keepable(29) == 0 and cache.keepable(33) == 31
         with pytest.raises(ValueError):
             model.hidden(seq[:, 33:34], 33, cache)           # past the length
         model.hidden(seq[:, 31:40], 31, cache)               # a write at a shorter length rolls back first
         cache.truncate(0)
         again = model.logits(model.hidden(seq, 0, cache))
         assert torch.equal(again, model.logits(model.hidden(seq, 0, new_cache(a, 64, with_mtp=False))))
+        # one token at a time (drafts), each closing or opening windows, then back over all of them
+        base = 36 - MAX_DRAFT_TOKENS
+        plain = new_cache(a, 64, with_mtp=False)
+        model.hidden(seq[:, :base], 0, plain)
+        ref = [model.logits(model.hidden(seq[:, p:p + 1], p, plain)) for p in range(base, 40)]
+        cache.truncate(0)
+        model.hidden(seq[:, :base], 0, cache)
+        for p in range(base, base + MAX_DRAFT_TOKENS + 1):
+            model.hidden(seq[:, p:p + 1] + 1, p, cache)      # wrong tokens
+        cache.truncate(base)
+        got = [model.logits(model.hidden(seq[:, p:p + 1], p, cache)) for p in range(base, 40)]
+        assert all(torch.equal(x, y) for x, y in zip(got, ref))
     assert all(c.length == 40 for c in cache.layers)
 
 
@@ -159,6 +176,7 @@ def test_mtp_block_against_transformers_parts(model, tmp_path):
         # with a cache, in chunks (the state fed back is the MTP streams' shape)
         cache = new_cache(a, 40, with_mtp=True)
         cuts = [0, 1, 9, 10, 23, 39]
-        chunks = [model.mtp_hidden(x[:, i:j], seq[:, i + 1:j + 1], i, cache) for i, j in zip(cuts, cuts[1:])]
+        chunks = [model.mtp_hidden(x[:, i:j], seq[:, i + 1:j + 1], i, cache[a.num_hidden_layers])
+                  for i, j in zip(cuts, cuts[1:])]
         torch.testing.assert_close(torch.cat(chunks, 1), got_state, rtol=0, atol=1e-5)
         assert got_state.shape == x.shape

@@ -13,11 +13,10 @@ from dsv3lite.config import ModelArgs
 from dsv3lite.errors import UserError
 from dsv3lite.experts import BlobExperts
 from dsv3lite.kernels import cpu_experts
-from dsv3lite.testing_v4 import (FLASH_RATIOS, official_tensors, release_dtype, v4_flash_slice_config,
-                                 v4_geometry_config, write_v4_official, write_v4_pair)
+from dsv3lite.testing_v4 import (FLASH_RATIOS, load_v4, official_tensors, release_dtype, v4_flash_slice_config,
+                                 v4_geometry_config, write_v4_pair)
 from dsv3lite.v4.cache import new_cache
 from dsv3lite.v4.config import V4Args
-from dsv3lite.v4.loader import load_v4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = dict(log=lambda m: None)
@@ -86,9 +85,8 @@ def test_dspark_drafter_is_not_read(official, tmp_path):
         assert torch.equal(model(ids), load_v4(official, mtp=False, **QUIET)(ids))
 
 
-def test_geometry_checkpoint(tmp_path):
-    cfg = v4_geometry_config()
-    path = write_v4_official(tmp_path / "geometry", cfg)
+def test_geometry_checkpoint(v4_geometry_dir):
+    cfg, path = v4_geometry_config(), v4_geometry_dir
     args = ModelArgs.from_dir(path)
     assert (args.num_hidden_layers, args.n_routed_experts, args.num_experts_per_tok, args.num_hash_layers) == \
         (43, 256, 6, 3)
@@ -134,3 +132,49 @@ def test_flash_slice_tensors():
     assert kinds["layers.1.ffn.experts.3.w1.weight"] == "mxfp4" and kinds["layers.1.attn.wq_b.weight"] == "fp8"
     assert kinds["layers.1.attn.compressor.wkv.weight"] == "bf16" and kinds["layers.1.hc_attn_fn"] == "f32"
     assert kinds["layers.0.ffn.gate.tid2eid"] == "i32" and kinds["mtp.0.e_proj.weight"] == "fp8"
+
+
+def _greedy(path, **kw) -> list[int]:
+    import dsv3lite
+
+    llm = dsv3lite.load(path, device="cpu", ctx_size=96, progress=False, log=lambda m: None, **kw)
+    llm.stop_ids = set()
+    return [c.token_id for c in llm.generate([5, 9, 17, 33, 2, 41], max_tokens=12)]
+
+
+def test_quantize_writes_v4_expert_major_directories(official, tmp_path):
+    """`quantize --experts mxfp4` of a released checkpoint repacks its experts (the bytes the runtime serves,
+    MTP block included) and the directory decodes the source's tokens; another format is said to quantize again."""
+    from dsv3lite.experts import expert_source
+    from dsv3lite.quant.checkpoint import open_layer_blobs, quantize_checkpoint, read_manifest
+
+    lines = []
+    dst = quantize_checkpoint(official, tmp_path / "mxfp4", experts="mxfp4", progress=False, log=lines.append)
+    m = read_manifest(dst)
+    args = ModelArgs.from_dir(official)
+    assert m.format == "mxfp4" and m.moe_layers == list(range(args.num_hidden_layers + 1))
+    source = expert_source(official, args, None, blobs_required=True)
+    assert source.released
+    for layer in (0, args.mtp_layer_id):
+        assert torch.equal(open_layer_blobs(dst, m, layer), source.layer_blobs(layer))
+    assert not any("quantizes them again" in line for line in lines)
+    assert _greedy(dst) == _greedy(official)
+    lines = []
+    quantize_checkpoint(official, tmp_path / "int8", experts="int8", progress=False, log=lines.append)
+    assert any("stores its routed experts as mxfp4" in line for line in lines)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v4base")
+    return write_v4_pair(root / "base", root / "hf", "tiny", base=True)[0]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4", "int8"])
+def test_quantize_a_base_checkpoint(base, tmp_path, fmt):
+    """A V4 Base checkpoint (FP8 experts) quantized to mxfp4 / int4 / int8: the directory loads and decodes the tokens
+    of the same checkpoint with the experts quantized at load."""
+    from dsv3lite.quant.checkpoint import quantize_checkpoint
+
+    dst = quantize_checkpoint(base, tmp_path / fmt, experts=fmt, progress=False, log=lambda m: None)
+    assert _greedy(dst) == _greedy(base, experts=fmt)

@@ -127,3 +127,39 @@ def test_config_files_of_both_layouts_parse(tmp_path):
         (tmp_path / str(i)).mkdir()
         (tmp_path / str(i) / "config.json").write_text(json.dumps(cfg))
         assert isinstance(ModelArgs.from_dir(tmp_path / str(i)), V4Args)
+
+
+@pytest.mark.parametrize("which", ["flash", "pro"])
+def test_info_and_plan_from_config_json_alone(tmp_path, capsys, which):
+    """`info` and `plan` of V4-Flash / V4-Pro read config.json alone: the parameter counts of §7.1, the KV cache per
+    layer kind (§4.1), MXFP4 expert blobs of §7.2 as the host tier, and what a card's budget holds."""
+    from dsv3lite.cli import main
+    from dsv3lite.family import family_of
+    from dsv3lite.offload.planner import make_plan
+    from dsv3lite.quant.formats import get_format
+
+    cfg, total, expert_mib, per_token = {"flash": (flash_config(), 284.33e9, 12.75, 6880),
+                                         "pro": (pro_config(), 1572.99e9, 33.47, 9848)}[which]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", "-w", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    a = V4Args.from_dict(cfg)
+    blob = get_format("mxfp4").layout(a.moe_intermediate_size, a.hidden_size).blob_bytes
+    assert round(blob / MiB, 2) == expert_mib
+    assert abs(doc["total_params"] - total) < 0.01e9 and doc["kv_bytes_per_token"] == per_token
+    assert doc["host_tier_bytes"] == (a.num_hidden_layers + 1) * a.n_routed_experts * blob
+    kinds = doc["kv_by_layer_kind"]
+    assert sum(k["blocks"] for k in kinds.values()) == a.num_hidden_layers + 1
+    assert sum(k["bytes_per_token"] * k["blocks"] for k in kinds.values()) == per_token   # the MTP ring adds none
+    assert main(["info", "-w", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{per_token:,} B per token" in out and "csa 320 B/token" in out
+    assert "first 3 layers routed by token id" in out
+    # plan: 80 GiB holds the resident set and some of the experts; the host tier is every expert's blob
+    assert main(["plan", "-w", str(tmp_path), "--gpu-mem", "80G", "--device", "cpu", "--dtype", "bfloat16",
+                 "--ctx-size", "32768"]) == 0
+    out = capsys.readouterr().out
+    plan = make_plan(a, 80 * 2**30, 32768, blob, "mxfp4", dense_bytes=2)
+    assert f"experts resident: {plan.n_slots} / {(a.num_hidden_layers + 1) * a.n_routed_experts}" in out
+    assert 0 < plan.n_slots < (a.num_hidden_layers + 1) * a.n_routed_experts and "windows, compressed entries" in out
+    assert plan.kv_cache == family_of(a).kv_cache_bytes(a, 32768, True, 2) >= per_token * 32768

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv3lite.testing_v4 import write_v4_hf, write_v4_pair
+from dsv3lite.testing_v4 import load_v4, write_v4_hf, write_v4_pair
 from dsv3lite.v4.cache import new_cache
 from dsv3lite.v4.config import CSA, HCA, SLIDING
-from dsv3lite.v4.loader import load_v4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = dict(log=lambda m: None)

@@ -19,6 +19,7 @@ import torch
 
 from ..kernels import cpu_experts
 from ..quant.layout import BlobLayout
+from ..threads import worker_threads
 from .cache import HostStore
 
 
@@ -56,9 +57,10 @@ class CpuJob:
 class CpuWorker:
     """The worker thread, the blob addresses of every host layer and the reused staging buffers."""
 
-    def __init__(self, host: HostStore, layout: BlobLayout, threads: int = 0):
-        self.host, self.layout = host, layout
-        self.threads = threads or torch.get_num_threads()
+    def __init__(self, host: HostStore, layout: BlobLayout, threads: int = 0, limit: float | None = None):
+        """limit: the experts' SwiGLU clamp (DeepSeek-V4)."""
+        self.host, self.layout, self.limit = host, layout, limit
+        self.threads = threads or worker_threads(torch.get_num_threads())
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dsv3lite-cpu-experts")
         weakref.finalize(self, self.executor.shutdown, False)     # the thread ends with its runtime
         n_experts = max(blobs.shape[0] for blobs in host.layers.values())
@@ -74,9 +76,9 @@ class CpuWorker:
         self.jobs, self.compute_s, self.wait_s = 0, 0.0, 0.0
 
     @staticmethod
-    def usable(layout: BlobLayout) -> bool:
-        """Whether misses of this layout can go to the worker (the compiled kernel exists for it here)."""
-        return cpu_experts.available(layout)
+    def usable(layout: BlobLayout, limit: float | None = None) -> bool:
+        """Whether misses of this layout (and clamp) can go to the worker (the compiled kernel exists for it here)."""
+        return cpu_experts.available(layout, limit)
 
     def _buffers(self, t: int, k: int, pinned: bool):
         bufs = self.buffers.get((t, k))
@@ -118,8 +120,8 @@ class CpuWorker:
                 t0 = time.perf_counter()
                 with torch.inference_mode():                # thread-local: the caller's buffers may be inference tensors
                     out.zero_()
-                    cpu_experts.cpu_experts_forward(xh, ids, ones, blobs, self.layout,
-                                                    ptrs=self.masked, per_pair=True, out=out, threads=self.threads)
+                    cpu_experts.cpu_experts_forward(xh, ids, ones, blobs, self.layout, ptrs=self.masked,
+                                                    per_pair=True, out=out, threads=self.threads, limit=self.limit)
                 self.compute_s += time.perf_counter() - t0
                 return out
             finally:
@@ -148,7 +150,7 @@ class CpuWorker:
             ptrs = self.host.addresses(layer_id)[e:e + 1]
             t0 = time.perf_counter()
             cpu_experts.cpu_experts_forward(x, ids, ones, blob, self.layout, ptrs=ptrs, per_pair=True, out=out,
-                                            threads=self.threads)
+                                            threads=self.threads, limit=self.limit)
             best = min(best, time.perf_counter() - t0)
         return best
 

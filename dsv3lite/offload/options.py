@@ -15,7 +15,7 @@ class OffloadOptions:
     miss_policy: str = "auto"           # one of MISS_POLICIES
     cache_policy: str = "decayed-lfu"   # a name in offload.policy.POLICIES
     cpu_mem: int | str | None = None    # cap on host memory for expert blobs ("64G", bytes); None: what RAM allows
-    cpu_threads: int = 0                # threads computing CPU-assigned misses; 0: torch's intra-op thread count
+    cpu_threads: int = 0                # threads computing CPU-assigned misses; 0: --threads less one (threads.py)
 
     def __post_init__(self):
         from ..utils import parse_size

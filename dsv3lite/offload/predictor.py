@@ -1,5 +1,9 @@
 """Router-driven expert prediction: after layer l's attention, apply the routers of the next MoE layers
-(each with its own ffn norm, bias and group limit) to the current hidden state.
+(each with its own ffn norm, bias and group limit) to the current hidden state. DeepSeek-V4's residual is
+streams: a later block's router then reads its own `router_input` of the current streams (its ffn mHC
+pre-collapse, then ffn_norm) and its gate picks from its own scores. Layers whose experts follow from the token
+id alone (V4's hash layers: model.token_route_tables) are not predicted here: the runtime knows them exactly as
+soon as the tokens are sampled.
 
 The current layer's own router on its own input is exact, so `predict` also returns the experts layer l
 is about to use; the runtime reads everything to the host in one transfer per layer. That norm and routing
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model import Block, Transformer
+from ..model import Block, Transformer   # the V3 family's, whose routers one batched product predicts
 
 NEXT_FROM_LAST = "next/last"       # the next token's first MoE layers, from the last main layer's hidden state
 NEXT_FROM_MTP = "next/mtp"         # the same, from the MTP layer's hidden state
@@ -38,6 +42,8 @@ class RoutePredictor:
         next_token = NEXT_TOKEN_SOURCES if self.auto else next_token
         self.layers = list(model.layers)
         self.mtp = model.mtp.block if model.mtp is not None else None
+        self.batched = isinstance(model, Transformer)       # else each target's own router_input and gate
+        self.token_layers = set(model.token_route_tables())
         self.position = {id(b): i for i, b in enumerate(self.layers)}
         if self.mtp is not None:
             self.position[id(self.mtp)] = len(self.layers)
@@ -45,7 +51,7 @@ class RoutePredictor:
         self.next_sources = {id(self.layers[-1]): NEXT_FROM_LAST} if NEXT_FROM_LAST in next_token else {}
         if self.mtp is not None and NEXT_FROM_MTP in next_token:
             self.next_sources[id(self.mtp)] = NEXT_FROM_MTP
-        self.first_moe = [b for b in self.layers if b.is_moe][:self.lookahead]
+        self.first_moe = [b for b in self.layers if b.is_moe and b.layer_id not in self.token_layers][:self.lookahead]
         self.mtp_ran = False              # whether the MTP layer ran in the step before this one
         self._stacks: dict = {}           # blocks predicted together -> their norm weights, gate weights, biases
         self._mtp_this_step = False
@@ -65,7 +71,7 @@ class RoutePredictor:
         out: list[tuple[int | str, Block]] = []
         for d in range(0, self.lookahead + 1):
             j = i + d
-            if j < len(chain) and chain[j].is_moe:
+            if j < len(chain) and chain[j].is_moe and (d == 0 or chain[j].layer_id not in self.token_layers):
                 out.append((d, chain[j]))
         source = self.next_sources.get(id(layer))
         if source == NEXT_FROM_LAST and self.auto and self.mtp_ran:
@@ -97,16 +103,24 @@ class RoutePredictor:
         n_experts = choice.shape[-1]
         return gate.pick(choice.view(-1, n_experts)).view(len(blocks), flat.shape[0], -1)
 
+    @staticmethod
+    def own_router_ids(block, h: torch.Tensor) -> torch.Tensor:
+        """Predicted expert ids [N, K] of a (learned-routing) block from a state h of an earlier point: its own
+        router input of h, its gate's scores and choice."""
+        x = block.router_input(h)
+        gate = block.ffn.gate
+        return gate.select(gate.scores(x.reshape(-1, x.shape[-1])))
+
     @torch.no_grad()
     def predict(self, layer: Block, h: torch.Tensor, routed=None) -> dict[int, tuple[int | str, list[list[int]]]]:
-        """h [B, S, D] after `layer`'s attention -> {moe layer id: (distance or next-token source, per-token expert
-        ids)}. routed: the layer's (router input, routing) when already computed (the model's layer event).
+        """h [B, S, D] (V4: streams [B, S, n, D]) after `layer`'s attention -> {moe layer id: (distance or next-token
+        source, per-token expert ids)}. routed: the layer's (router input, routing) when already computed (the
+        model's layer event).
 
-        Distance 0 is the exact routing of `layer` itself (its ffn input is ffn_norm(h))."""
+        Distance 0 is the exact routing of `layer` itself (its ffn input is router_input(h))."""
         targets = self.targets(layer)
         if not targets:
             return {}
-        flat = h.reshape(-1, h.shape[-1])
         ids = []
         ahead = targets
         if targets[0][0] == 0 and targets[0][1] is layer:    # exact: the layer's own router on its own input
@@ -114,7 +128,9 @@ class RoutePredictor:
                 routed = layer.routed_ahead(h)
             ids.append(routed[1][1])
             ahead = targets[1:]
-        if ahead:
-            ids.extend(self.lookahead_ids([b for _, b in ahead], flat))
+        if ahead and self.batched:
+            ids.extend(self.lookahead_ids([b for _, b in ahead], h.reshape(-1, h.shape[-1])))
+        elif ahead:
+            ids.extend(self.own_router_ids(b, h) for _, b in ahead)
         host = torch.stack(ids).tolist()                 # the one device->host read of this layer
         return {b.layer_id: (d, rows) for (d, b), rows in zip(targets, host)}

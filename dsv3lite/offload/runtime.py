@@ -5,6 +5,11 @@ predicted routing of the next `lookahead` MoE layers to the host in one transfer
 starts prefetch copies; the layer's MoE then serves each chosen expert from its slot (waiting only for
 copies still in flight), or, on a miss, from a demand copy or a CPU computation, whichever the start-up
 cost model says is faster. Routed outputs are summed in ascending expert id whatever computed them.
+
+Layers whose experts follow from the token id alone (DeepSeek-V4's hash layers: model.token_route_tables) are
+known exactly before a forward runs: the engine announces each forward's tokens as they are sampled
+(`expect_tokens`: a prompt before its prefill, each sampled token before its MTP catch-up, each draft before the
+verify), and their experts are pinned and prefetched at once, the prompt's union ordered by use.
 """
 from __future__ import annotations
 
@@ -66,7 +71,7 @@ class CostModel:
 
     @classmethod
     def measure(cls, cache: ExpertCache, fmt: ExpertFormat, layout: BlobLayout, layer_id: int, dtype,
-                worker: CpuWorker | None) -> "CostModel":
+                worker: CpuWorker | None, limit: float | None = None) -> "CostModel":
         tier_s, pinned_s = cache.time_copies((layer_id, 0))
         h2d, h2d_tier = layout.blob_bytes / max(pinned_s, 1e-9), layout.blob_bytes / max(tier_s, 1e-9)
         n = cache.host.layers[layer_id].shape[0]
@@ -81,10 +86,13 @@ class CostModel:
             best = float("inf")
             for e in group:
                 t0 = time.perf_counter()
-                fmt.expert_forward(cache.host.blob((layer_id, e)), x, layout)
+                fmt.expert_forward(cache.host.blob((layer_id, e)), x, layout, limit)
                 best = min(best, time.perf_counter() - t0)
             times.append(best)
         return cls(h2d, times[0], times[1], layout.blob_bytes, torch.get_num_threads(), h2d_tier)
+
+
+TOKEN_ROUTED = "token"   # the predictor_by_distance label of experts known from the token ids (hash layers)
 
 
 class OffloadedExperts(nn.Module):
@@ -102,9 +110,10 @@ class OffloadedExperts(nn.Module):
 class OffloadRuntime:
     def __init__(self, host: HostStore, fmt: ExpertFormat, layout: BlobLayout, n_slots: int,
                  device: torch.device, dtype: torch.dtype, options: OffloadOptions = OffloadOptions(), plan=None,
-                 log=None):
+                 log=None, limit: float | None = None):
+        """limit: the experts' SwiGLU clamp (DeepSeek-V4's swiglu_limit; family.py)."""
         assert options.miss_policy in MISS_POLICIES, options.miss_policy
-        self.host, self.fmt, self.layout = host, fmt, layout
+        self.host, self.fmt, self.layout, self.limit = host, fmt, layout, limit
         self.device, self.dtype = device, dtype
         self.options = options
         self.plan = plan                                  # the OffloadPlan that sized the pool, when known
@@ -125,11 +134,17 @@ class OffloadRuntime:
         self.uses = UseCounts()
         self.per_layer: dict[int, UseCounts] = {}
         self.predictor_counts: dict[int, list[int]] = {}  # distance -> [true positives, predicted, actual]
-        self.fused = dispatch.use_kernels(device) and fmt.fused_kernel   # decode through the fused MoE kernel
+        self.kind_counts: dict[str, list[int]] = {}       # "hash" | "learned" layers -> the same
+        self.token_tables: dict[int, torch.Tensor] = {}   # hash layer -> tid2eid [vocab, K] on the host (attach)
+        self.announced: list[int] = []                    # the tokens announced for the forwards to come
+        self.consumed: dict[int, int] = {}                # hash layer -> how many of them its forwards ran
+        self.token_pins: set = set()                      # their experts' keys, pinned until their layer runs
+        # decode through the fused MoE kernel (it has no SwiGLU clamp)
+        self.fused = dispatch.use_kernels(device) and fmt.fused_kernel and limit is None
         self.slot_index = torch.arange(n_slots, dtype=torch.int32, device=device)   # slot i's entry: [i:i+1]
         # CPU tier with the compiled kernel: a decode step's experts in one kernel call (slots and CPU-assigned
         # misses alike), as the resident provider computes them
-        self.one_call = device.type == "cpu" and not self.fused and cpu_experts.available(layout)
+        self.one_call = device.type == "cpu" and not self.fused and cpu_experts.available(layout, limit)
         self.ptr_table = torch.zeros(max(t.shape[0] for t in host.layers.values()), dtype=torch.int64)
         # the fused kernel's expert -> slot table, one row per MoE layer: written on the host at placement (a numpy
         # view of pinned memory), the layer's row copied to the device before its kernel (no allocation per layer)
@@ -140,9 +155,9 @@ class OffloadRuntime:
         self.slot_table_host, self.slot_table_np = host_table, host_table.numpy()
         self.slot_table = host_table.to(device) if cuda else host_table
         # on a device, CPU-assigned misses of decode steps run on a worker thread (the compiled kernel's layouts)
-        self.worker = CpuWorker(host, layout, options.cpu_threads) \
-            if options.miss_policy != "fetch" and not self.one_call and CpuWorker.usable(layout) else None
-        self.cost = CostModel.measure(self.cache, fmt, layout, next(iter(host.layers)), dtype, self.worker)
+        self.worker = CpuWorker(host, layout, options.cpu_threads, limit) \
+            if options.miss_policy != "fetch" and not self.one_call and CpuWorker.usable(layout, limit) else None
+        self.cost = CostModel.measure(self.cache, fmt, layout, next(iter(host.layers)), dtype, self.worker, limit)
 
     # --- wiring --------------------------------------------------------------------------------
     def provider(self, layer_id: int) -> OffloadedExperts:
@@ -153,6 +168,8 @@ class OffloadRuntime:
         assert self.observer is None, "already attached"
         self.predictor = RoutePredictor(model, self.options.lookahead)
         self.observer = model.add_observer(on_layer=self.after_attention)
+        self.token_tables = {layer: table.to("cpu", torch.int64) for layer, table in model.token_route_tables().items()
+                             if layer in self.host.layers}
 
     def detach(self) -> None:
         if self.observer is not None:
@@ -160,18 +177,52 @@ class OffloadRuntime:
             self.observer = None
 
     # --- prediction and prefetch ----------------------------------------------------------------
+    def expect_tokens(self, tokens: list[int], more: bool = False) -> None:
+        """The tokens the next main forwards run, from their first (more: after those announced before; an MTP
+        draft): the hash layers' experts for them are known now, so they are pinned and prefetched at once, the
+        nearest layer first and each layer's experts by their use in these tokens (a prompt's union)."""
+        if not self.token_tables:
+            return
+        if not more:
+            self.slots.unpin(self.token_pins)
+            self.announced, self.token_pins = [], set()
+            self.consumed = dict.fromkeys(self.token_tables, 0)
+        self.announced += tokens
+        known = []
+        for layer, table in self.token_tables.items():
+            experts, uses = table[torch.tensor(tokens)].flatten().unique(return_counts=True)
+            known += [(layer, e) for _, e in sorted(zip((-uses).tolist(), experts.tolist()))]
+        self.token_pins |= set(known)
+        self.slots.pin(known)
+        self.prefetch_queue = known + [k for k in self.prefetch_queue if k not in self.token_pins]
+        self._prefetch()
+
+    def _take_announced(self, layer_id: int, n: int) -> None:
+        """Hash layer `layer_id` runs a forward of n tokens: the experts of its next n announced tokens are this
+        forward's prediction (scored against what it uses); its pins go once nothing announced is left."""
+        start = self.consumed.get(layer_id, 0)
+        if start >= len(self.announced):
+            return
+        taken = self.announced[start:start + n]
+        self.consumed[layer_id] = start + n
+        if len(taken) == n:
+            predicted = set(self.token_tables[layer_id][torch.tensor(taken)].flatten().tolist())
+            self.pending.setdefault(layer_id, []).append((TOKEN_ROUTED, predicted))
+        if start + n >= len(self.announced):
+            self.token_pins = {k for k in self.token_pins if k[0] != layer_id}
+
     def after_attention(self, layer, h: torch.Tensor, routed=None) -> None:
         """The layer observer (model.Observers): routed is the layer's (router input, routing), computed for its
         feed-forward."""
         tokens = h.shape[0] * h.shape[1]
-        if tokens > BULK_TOKENS:
-            self.prefetch_queue = []
-            return                                   # prefill: the layer's experts are streamed in bulk
+        if tokens > BULK_TOKENS:                     # prefill: the layer's experts are streamed in bulk; the hash
+            self.prefetch_queue = [k for k in self.prefetch_queue if k in self.token_pins]   # layers' stay queued
+            return
         predicted = self.predictor.predict(layer, h, routed)
         if not predicted:                            # a dense layer with no MoE layer in reach: keep what is queued
             self._prefetch()                         # (the next token's predictions) and issue more of it
             return
-        pins: set = set()
+        pins: set = set(self.token_pins)
         for target, (distance, rows) in predicted.items():
             chosen = {e for row in rows for e in row}
             pins |= {(target, e) for e in chosen}
@@ -182,9 +233,10 @@ class OffloadRuntime:
         self.slots.set_pins(pins)
         # nearest layers first (the next token's last); issued after this layer's demand copies (forward), a few
         # at a time (_prefetch), never evicting what is pinned or in flight
-        self.prefetch_queue = [(target, e) for target, (distance, rows)
-                               in sorted(predicted.items(), key=lambda kv: distance_order(kv[1][0]))
-                               if distance != 0 for e in sorted({e for row in rows for e in row})]
+        ahead = [(target, e) for target, (distance, rows)
+                 in sorted(predicted.items(), key=lambda kv: distance_order(kv[1][0]))
+                 if distance != 0 for e in sorted({e for row in rows for e in row})]
+        self.prefetch_queue = [k for k in self.prefetch_queue if k in self.token_pins] + ahead
         if not layer.is_moe:
             self._prefetch()                         # no demand copy follows in this layer
 
@@ -210,12 +262,15 @@ class OffloadRuntime:
                 if self.memory_checks == 3:              # the second decode step starts: the first one is done
                     self.check_device_memory()
         rows = self.known_ids.pop(layer_id, None)
+        if layer_id in self.token_tables:
+            self._take_announced(layer_id, n)            # scored as this forward's prediction (never computed from)
         if rows is None or len(rows) != n:
             rows = ids.tolist()
         counts = self.per_layer.get(layer_id)
         if counts is None:
             counts = self.per_layer[layer_id] = UseCounts()
         if n > BULK_TOKENS:
+            self._score_predictions(layer_id, {e for row in rows for e in row})
             return self._bulk(layer_id, x, ids, weights, rows, counts)
         used = sorted({e for row in rows for e in row})
         if n > 1:
@@ -271,12 +326,12 @@ class OffloadRuntime:
     def _compute(self, slot: int | None, layer_id: int, e: int, xs: torch.Tensor) -> torch.Tensor:
         if slot is None:
             host_in = xs.to("cpu", non_blocking=False)
-            y = self.fmt.expert_forward(self.host.blob((layer_id, e)), host_in, self.layout)
+            y = self.fmt.expert_forward(self.host.blob((layer_id, e)), host_in, self.layout, self.limit)
             return y.to(device=xs.device, dtype=xs.dtype)
         self.cache.wait(slot)
         if self.fused:                     # the kernels' format on a GPU: weights decoded in registers
             return fused_expert(xs, self.slot_index[slot:slot + 1], self.cache.pool, self.layout)
-        return self.fmt.expert_forward(self.cache.slot_view(slot), xs, self.layout).to(xs.dtype)
+        return self.fmt.expert_forward(self.cache.slot_view(slot), xs, self.layout, self.limit).to(xs.dtype)
 
     def _one_call(self, layer_id, x, ids, weights, place) -> torch.Tensor:
         """CPU tier: every selected expert in one call of the CPU kernel, from its slot or (a CPU-assigned miss)
@@ -292,7 +347,7 @@ class OffloadRuntime:
                 ptrs[e] = held[-1].data_ptr()
             else:
                 ptrs[e] = base + slot * stride
-        return cpu_experts.cpu_experts_forward(x, ids, weights, pool, self.layout, ptrs=ptrs)
+        return cpu_experts.cpu_experts_forward(x, ids, weights, pool, self.layout, ptrs=ptrs, limit=self.limit)
 
     def _fused(self, layer_id, x, ids, weights, rows, place, job: CpuJob | None) -> torch.Tensor:
         """Decode through the fused MoE kernel: resident experts read from their slots; CPU-computed misses
@@ -388,11 +443,13 @@ class OffloadRuntime:
         setattr(self.uses, field, getattr(self.uses, field) + 1)
 
     def _score_predictions(self, layer_id: int, actual: set[int]) -> None:
+        kind = "hash" if layer_id in self.token_tables else "learned"
         for distance, predicted in self.pending.pop(layer_id, []):
-            row = self.predictor_counts.setdefault(distance, [0, 0, 0])
-            row[0] += len(predicted & actual)
-            row[1] += len(predicted)
-            row[2] += len(actual)
+            for row in (self.predictor_counts.setdefault(distance, [0, 0, 0]),
+                        self.kind_counts.setdefault(kind, [0, 0, 0])):
+                row[0] += len(predicted & actual)
+                row[1] += len(predicted)
+                row[2] += len(actual)
 
     def close(self) -> None:
         """Stop the CPU worker (the runtime serves no more layers)."""
@@ -408,6 +465,7 @@ class OffloadRuntime:
         self.uses = UseCounts()
         self.per_layer = {}
         self.predictor_counts = {}
+        self.kind_counts = {}
         self.pending = {}
         if self.worker is not None:
             self.worker.reset_counts()
@@ -416,7 +474,7 @@ class OffloadRuntime:
         """The `expert_cache` entry of the engine's stats (offload/stats.py)."""
         self.cache.collect_copy_time()
         return ExpertCacheStats.collect(
-            self.uses, self.per_layer, self.cache.counts, self.predictor_counts,
+            self.uses, self.per_layer, self.cache.counts, self.predictor_counts, self.kind_counts,
             prefetches_wasted=self.slots.wasted_prefetches, evictions=self.slots.evictions,
             slots=self.slots.n_slots, resident_experts=len(self.slots), host_tier=self.host.mode,
             host_pinned_bytes=self.host.pinned_bytes,

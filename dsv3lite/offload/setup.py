@@ -13,8 +13,9 @@ import torch
 from ..config import ModelArgs
 from ..errors import UserError
 from ..experts import ExpertSource, expert_source
+from ..family import family_of
 from ..footprint import DENSE_WEIGHT_BYTES
-from ..hf_checkpoint import has_mtp, has_weights
+from ..hf_checkpoint import CheckpointIndex, has_weights
 from ..utils import format_bytes, parse_size
 from .options import OffloadOptions
 from .planner import OffloadPlan, make_plan
@@ -25,22 +26,63 @@ CUDA_RESERVE_BYTES = 1536 * 2**20       # CUDA context, allocator fragmentation,
 def resolve_budget(gpu_mem, device: torch.device) -> int:
     """--gpu-mem as the bytes the planner may fill. On CUDA the budget is what the process may hold on the card:
     CUDA_RESERVE_BYTES of it stay for the CUDA context, library workspaces and allocator slack, and it must fit
-    in the card's free memory ('auto' or None: all of it). On CPU the budget sizes the simulated device tier and
-    must be given."""
-    if device.type == "cuda":
+    in the card's free memory ('auto' or None: all of it; a plan for CUDA on a machine without a GPU needs a
+    size and is not checked against a card). On CPU the budget sizes the simulated device tier and must be given."""
+    auto = gpu_mem is None or gpu_mem == "auto"
+    if device.type != "cuda":
+        if auto:
+            raise UserError("--gpu-mem auto needs a CUDA GPU; on CPU give a size to simulate a device tier")
+        return parse_size(gpu_mem)
+    if not torch.cuda.is_available():                     # `plan --device cuda` on any machine
+        if auto:
+            raise UserError("--gpu-mem auto is the free memory of a GPU, and this machine has none: give a size "
+                            "to plan for (e.g. --gpu-mem 24G)")
+        budget = parse_size(gpu_mem)
+    else:
         free, total = torch.cuda.mem_get_info(device)
-        budget = free if gpu_mem is None or gpu_mem == "auto" else parse_size(gpu_mem)
+        budget = free if auto else parse_size(gpu_mem)
         if budget > free:
             where = "this GPU's total" if budget > total else "what is free on this GPU (other processes hold the rest)"
             raise UserError(f"--gpu-mem {format_bytes(budget)} exceeds {where}: the largest that works here is "
                             f"{format_bytes(free)} (or use --gpu-mem auto)")
-        if budget <= CUDA_RESERVE_BYTES:
-            raise UserError(f"--gpu-mem {format_bytes(budget)} leaves nothing once {format_bytes(CUDA_RESERVE_BYTES)} "
-                            f"are kept for the CUDA context and library workspaces")
-        return budget - CUDA_RESERVE_BYTES
-    if gpu_mem is None or gpu_mem == "auto":
-        raise UserError("--gpu-mem auto needs a CUDA GPU; on CPU give a size to simulate a device tier")
-    return parse_size(gpu_mem)
+    if budget <= CUDA_RESERVE_BYTES:
+        raise UserError(f"--gpu-mem {format_bytes(budget)} leaves nothing once {format_bytes(CUDA_RESERVE_BYTES)} "
+                        f"are kept for the CUDA context and library workspaces")
+    return budget - CUDA_RESERVE_BYTES
+
+
+@dataclass
+class ExpertTier:
+    """The routed experts a run keeps as blobs (offloaded, or counted by `info`): their source (format, layout),
+    whether the MTP layer runs, and its MoE layers. `plan`, `info` and the runtime all take it from expert_tier,
+    so they cannot disagree."""
+    source: ExpertSource
+    with_mtp: bool
+    weights_here: bool
+    layers: list[int]
+
+    @property
+    def bytes(self) -> int:
+        return len(self.layers) * self.source.args.n_routed_experts * self.source.layout.blob_bytes
+
+
+def expert_tier(root: Path, args: ModelArgs, experts: str | None, mtp: bool,
+                source: ExpertSource | None = None) -> ExpertTier:
+    """The blobs of `root`'s routed experts in `experts` (None: the checkpoint's own format, fp8 for an FP8
+    checkpoint), with the MTP layer when `mtp` and the checkpoint has it (config.json alone when it has no
+    weights). Reads no weights. source: the experts' source when the caller resolved it already."""
+    if source is None:
+        source = expert_source(root, args, experts, blobs_required=True)
+    weights_here = has_weights(root)
+    with_mtp = mtp and args.num_nextn_predict_layers >= 1
+    if with_mtp and weights_here:                         # the checkpoint carries the MTP layer its config declares
+        with_mtp = family_of(args).mtp_status(CheckpointIndex.open(root), args)[0]
+    return ExpertTier(source, with_mtp, weights_here, tier_layers(args, with_mtp))
+
+
+def tier_layers(args: ModelArgs, with_mtp: bool) -> list[int]:
+    """The MoE layers whose routed experts are blobs: the main model's, and the MTP layer's when it runs."""
+    return list(args.moe_layer_ids) + ([args.mtp_layer_id] if with_mtp else [])
 
 
 def plan_for(root: Path, args: ModelArgs, budget: int, ctx_size: int, experts: str | None, mtp: bool,
@@ -49,14 +91,13 @@ def plan_for(root: Path, args: ModelArgs, budget: int, ctx_size: int, experts: s
     """(plan, where the experts come from, whether the MTP layer runs) for a budget, without reading weights.
     dense: the `--dense` dtype the non-expert weights are packed to (None: they stay in `dtype`). source: the
     experts' source when the caller resolved it already (builder.build_engine: once per load)."""
-    if source is None:
-        source = expert_source(root, args, experts, blobs_required=True)
-    weights_here = has_weights(root)
-    with_mtp = mtp and (has_mtp(root, args) if weights_here else args.num_nextn_predict_layers >= 1)
+    tier = expert_tier(root, args, experts, mtp, source)
+    source, with_mtp = tier.source, tier.with_mtp
     dense_bytes = torch.empty((), dtype=dtype).element_size()
     plan = make_plan(args, budget, ctx_size, source.layout.blob_bytes, source.fmt.name, dense_bytes=dense_bytes,
                      mtp=with_mtp, weight_bytes=DENSE_WEIGHT_BYTES[dense] if dense else None)
-    if not weights_here:
+    assert plan.host_bytes == tier.bytes
+    if not tier.weights_here:
         plan.notes.append(f"no weights in {root}: planned from config.json alone"
                           + (" (with the MTP layer the config declares)" if with_mtp else ""))
     elif not with_mtp and args.num_nextn_predict_layers and mtp:
@@ -79,13 +120,12 @@ def build_offload(root: Path, args: ModelArgs, experts: str | None, gpu_mem, ctx
     if plan.all_resident:
         log("every routed expert fits in the budget: nothing is offloaded")
         return None
-    layers = list(args.moe_layer_ids) + ([args.mtp_layer_id] if with_mtp else [])
-    total = len(layers) * args.n_routed_experts * source.layout.blob_bytes
+    layers, total = tier_layers(args, with_mtp), plan.host_bytes
     source = source.cached(log)                   # an HF checkpoint's experts: its expert cache on disk
     tier = host_tier(source, layers, device, total, options.cpu_mem_bytes, log)
     runtime = OffloadRuntime(HostStore(tier.blobs, source.layout.blob_bytes, tier.mode, tier.resident_cap),
                              source.fmt, source.layout, plan.n_slots, device, dtype, options=options, plan=plan,
-                             log=log)
+                             log=log, limit=family_of(args).swiglu_limit(args))
     log(f"cost model: {runtime.cost.describe()}; misses: {options.miss_policy}")
     if tier.pin_layers:
         from .host_memory import BackgroundPinner

@@ -48,6 +48,7 @@ class ExpertCacheStats:
     predictor_recall: float = 0.0
     # beyond the documented keys
     predictor_by_distance: dict = field(default_factory=dict)   # distance or next-token source -> {"precision", "recall"}
+    predictor_by_layer_kind: dict = field(default_factory=dict)  # "hash" (known from token ids) | "learned" -> same
     prefetches: int = 0
     prefetches_wasted: int = 0    # prefetched, evicted before any use
     evictions: int = 0
@@ -63,8 +64,10 @@ class ExpertCacheStats:
 
     @classmethod
     def collect(cls, uses: UseCounts, per_layer: dict[int, UseCounts], copies: CopyCounts,
-                predictor: dict[int, list[int]], **pool) -> "ExpertCacheStats":
-        """predictor: distance -> [true positives, predicted, actual]; pool: evictions, slots, ... as fields."""
+                predictor: dict[int, list[int]], by_kind: dict[str, list[int]] | None = None,
+                **pool) -> "ExpertCacheStats":
+        """predictor: distance -> [true positives, predicted, actual]; by_kind: the same per layer kind; pool:
+        evictions, slots, ... as fields."""
         tp, pred, act = (sum(r[i] for r in predictor.values()) for i in range(3))
         return cls(
             hits=uses.hits, prefetch_hits=uses.prefetch_hits, demand_misses=uses.demand_misses,
@@ -72,8 +75,9 @@ class ExpertCacheStats:
             h2d_gb_s=copies.h2d_bytes / copies.copy_s / 1e9 if copies.copy_s > 0 else 0.0,
             stall_ms=copies.stall_s * 1e3, cpu_experts=uses.cpu_experts,
             predictor_precision=tp / pred if pred else 0.0, predictor_recall=tp / act if act else 0.0,
-            predictor_by_distance={d: {"precision": r[0] / r[1] if r[1] else 0.0, "recall": r[0] / r[2] if r[2] else 0.0}
-                                   for d, r in sorted(predictor.items(), key=lambda kv: distance_order(kv[0]))},
+            predictor_by_distance={d: _rates(r) for d, r in sorted(predictor.items(),
+                                                                    key=lambda kv: distance_order(kv[0]))},
+            predictor_by_layer_kind={k: _rates(r) for k, r in sorted((by_kind or {}).items())},
             prefetches=copies.prefetches,
             per_layer={l: {"hits": c.hits, "prefetch_hits": c.prefetch_hits, "demand_misses": c.demand_misses,
                            "hit_rate": c.hit_rate} for l, c in sorted(per_layer.items())},
@@ -81,6 +85,12 @@ class ExpertCacheStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _rates(counts: list[int]) -> dict:
+    """[true positives, predicted, actual] -> {"precision", "recall"}."""
+    tp, pred, act = counts
+    return {"precision": tp / pred if pred else 0.0, "recall": tp / act if act else 0.0}
 
 
 def empty_expert_cache_stats() -> dict:

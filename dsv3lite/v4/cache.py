@@ -8,7 +8,9 @@
 A compressor's state is the fp32 (Cv, G = Cz + ape) of the most recent tokens, in a ring of its own sized so that
 every token the state after any accepted length needs is still there: the partial window, the previous window
 (CSA) and MAX_DRAFT_TOKENS more. The whole cache is therefore a function of `length`: `truncate(length)` (a
-speculative rollback, or 0) sets the length, and writes made after it are simply overwritten. The attention
+speculative rollback, or 0) sets the length, and writes made after it are simply overwritten. Each kind is a
+dsv3lite/cache.py LayerCache; `keepable` answers 0 for a length its rings no longer describe (the Engine then
+prefills again from the start). The attention
 modules (attention.py) call the kind-specific reads and writes; the pooling math lives there. `args` below is a
 V4Args (config.py, which reads the planner's sizes from here).
 """
@@ -18,6 +20,7 @@ import math
 
 import torch
 
+from ..cache import LayerCache, ModelCache
 from ..limits import MAX_DRAFT_TOKENS
 from .kinds import CSA, HCA, SLIDING
 
@@ -87,7 +90,7 @@ class CompressorState:
         return 2 * self.cv.kv[0].numel() * STATE_BYTES
 
 
-class SlidingCache:
+class SlidingCache(LayerCache):
     """A sliding-window block's cache (the MTP block's too): the window ring alone."""
     kind = SLIDING
 
@@ -97,8 +100,8 @@ class SlidingCache:
         self.window = WindowRing(batch, self.window_slots(args), args.head_dim, device, dtype)
         self.compressors: dict[str, CompressorState] = {}
         self.length = 0              # tokens written: positions 0..length-1
-        self.write_start = 0         # the most recent write covered positions write_start..write_end-1
-        self.write_end = 0
+        self.high = 0                # the furthest end of a write since the last truncate(0): its ring slots (and
+                                     # the compressors') hold positions from high - slots on
 
     @staticmethod
     def window_slots(args) -> int:
@@ -110,32 +113,43 @@ class SlidingCache:
             self.truncate(start)
         if start + n > self.capacity:
             raise ValueError(f"cache of {self.capacity} tokens cannot hold positions up to {start + n}")
-        self.write_start, self.length = start, start + n
-        self.write_end = self.length
+        self.length = start + n
+        self.high = max(self.high, self.length)
 
     def rollback_floor(self) -> int:
-        """The lowest length (other than 0) truncate can return to: the start of the most recent write, or for a
-        write of more than MAX_DRAFT_TOKENS + 1 tokens (a prefill chunk, not a verify pass) the length its ring
-        slots still describe."""
-        return max(self.write_start, self.write_end - MAX_DRAFT_TOKENS - 1)
+        """The lowest length (other than 0) truncate can return to: every ring keeps MAX_DRAFT_TOKENS slots beyond
+        what the state at a length needs, so the state at any length down to high - MAX_DRAFT_TOKENS - 1 is still
+        there (the start of a verify pass of up to MAX_DRAFT_TOKENS drafts, whatever was written since)."""
+        return max(self.high - MAX_DRAFT_TOKENS - 1, 0)
+
+    def keepable(self, length: int) -> int:
+        length = min(length, self.length)
+        return length if length >= self.rollback_floor() else 0
 
     def truncate(self, length: int) -> None:
-        """The state becomes exactly what writing tokens [0, length) gave: length 0, or a length from the start of
-        the most recent write (a verify pass of up to MAX_DRAFT_TOKENS + 1 tokens) up to the current length."""
+        """The state becomes exactly what writing tokens [0, length) gave: length 0, or one from rollback_floor()
+        up to the current length."""
         if length != 0 and not self.rollback_floor() <= length <= self.length:
             raise ValueError(f"cannot roll the cache back to {length}: only to 0 or to "
                              f"{self.rollback_floor()}..{self.length}")
         self.length = length
         if length == 0:
-            self.write_start = self.write_end = 0
+            self.high = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.window.kv]
+        for state in self.compressors.values():
+            out += [state.cv.kv, state.g.kv, state.entries]
+        return out
 
     @classmethod
-    def bytes_per_token(cls, args) -> int:
+    def bytes_per_token(cls, args, value_bytes: int = KV_BYTES) -> int:
         return 0
 
     @classmethod
-    def fixed_bytes(cls, args) -> int:
-        return cls.window_slots(args) * args.head_dim * KV_BYTES
+    def fixed_bytes(cls, args, value_bytes: int = KV_BYTES) -> int:
+        """The ring (in values of `value_bytes`) and the compressors' fp32 state."""
+        return cls.window_slots(args) * args.head_dim * value_bytes
 
 
 class HCACache(SlidingCache):
@@ -149,13 +163,13 @@ class HCACache(SlidingCache):
                                                          args.head_dim, batch, capacity, device, dtype)
 
     @classmethod
-    def bytes_per_token(cls, args) -> int:
-        return math.ceil(args.head_dim * KV_BYTES / args.compress_rate_hca)
+    def bytes_per_token(cls, args, value_bytes: int = KV_BYTES) -> int:
+        return math.ceil(args.head_dim * value_bytes / args.compress_rate_hca)
 
     @classmethod
-    def fixed_bytes(cls, args) -> int:
+    def fixed_bytes(cls, args, value_bytes: int = KV_BYTES) -> int:
         state = CompressorState.history_slots(args.compress_rate_hca, False) * args.head_dim * 2 * STATE_BYTES
-        return super().fixed_bytes(args) + state
+        return super().fixed_bytes(args, value_bytes) + state
 
 
 class CSACache(SlidingCache):
@@ -173,14 +187,14 @@ class CSACache(SlidingCache):
                                                       capacity, device, dtype)
 
     @classmethod
-    def bytes_per_token(cls, args) -> int:
-        return math.ceil((args.head_dim + args.index_head_dim) * KV_BYTES / args.compress_rate_csa)
+    def bytes_per_token(cls, args, value_bytes: int = KV_BYTES) -> int:
+        return math.ceil((args.head_dim + args.index_head_dim) * value_bytes / args.compress_rate_csa)
 
     @classmethod
-    def fixed_bytes(cls, args) -> int:
+    def fixed_bytes(cls, args, value_bytes: int = KV_BYTES) -> int:
         slots = CompressorState.history_slots(args.compress_rate_csa, True)
         state = slots * 2 * (args.head_dim + args.index_head_dim) * 2 * STATE_BYTES
-        return super().fixed_bytes(args) + state
+        return super().fixed_bytes(args, value_bytes) + state
 
 
 _CLASSES = {SLIDING: SlidingCache, CSA: CSACache, HCA: HCACache}
@@ -191,27 +205,10 @@ def cache_class(kind: str) -> type[SlidingCache]:
     return _CLASSES[kind]
 
 
-class ModelCache:
-    """One cache object per block, indexed by the block's position in model.blocks() (the MTP block last);
-    `capacity` tokens. (The spine's dsv3lite/cache.py ModelCache, which this stands in for until it lands.)"""
-
-    def __init__(self, layers: list, capacity: int):
-        self.layers, self.capacity = layers, capacity
-
-    def __getitem__(self, i: int):
-        return self.layers[i]
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def truncate(self, length: int) -> None:
-        for layer in self.layers:
-            layer.truncate(min(length, layer.length))
-
-
 def new_cache(args, capacity: int, with_mtp: bool, batch: int = 1, device=None,
               dtype: torch.dtype = torch.float32) -> ModelCache:
-    """A ModelCache for the main blocks (and the MTP block) of a network of `args`."""
+    """A ModelCache (dsv3lite/cache.py) over the main blocks (and the MTP block) of a network of `args`: each
+    block's kind, the ring in `dtype`, the compressors' state in fp32."""
     blocks = range(args.num_hidden_layers + int(with_mtp))
     return ModelCache([cache_class(args.attn_kind(i))(args, i, capacity, batch, device, dtype) for i in blocks],
-                      capacity)
+                      capacity, n_main=args.num_hidden_layers)

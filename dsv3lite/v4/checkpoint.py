@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from ..hf_checkpoint import Target
+from ..hf_checkpoint import EXPERT_BLOBS, Target
 from .config import V4Args
 
 HF_PREFIX = "model."
@@ -23,7 +23,7 @@ _HF_KV_NORM = re.compile(r"^(layers\.\d+\.attn)\.norm\.weight$")         # the m
 HC_NAMES = {f"hc_{part}_{p}": f"hc_{part}.{p}" for part in ("head", "attn", "ffn") for p in ("fn", "base", "scale")}
 # the MTP block's own tensors around its V4 block (mtp.0.<name>)
 MTP_OWN = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight")
-EXPERT_MATRICES = ("w1", "w2", "w3")       # gate, down, up (quant.layout.MATRICES order: w1, w3, w2)
+EXPERT_MATRICES = ("w1", "w3", "w2")       # gate, up, down: the order of quant.layout.MATRICES
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 _BLOCK = re.compile(r"^(layers\.(\d+)|mtp\.(\d+))\.(.+)$")
 
@@ -42,6 +42,8 @@ def official_name(name: str) -> str:
 def map_name(name: str, args: V4Args) -> Target | None:
     """Checkpoint name (either layout) -> Target; None for tensors deliberately not loaded (a DSpark drafter's
     mtp.1, mtp.2, ..., and mtp.* when the network has no MTP)."""
+    if name.endswith(EXPERT_BLOBS):
+        return None                                     # a quantized directory's expert blobs (quant/checkpoint.py)
     name = official_name(name)
     if name in HC_NAMES:
         return Target(HC_NAMES[name])
@@ -83,3 +85,14 @@ def checkpoint_name(module_name: str, args: V4Args, expert: int | str = "<e>") -
     if rest.startswith("ffn.experts."):
         return f"{prefix}ffn.experts.{expert}.{rest.rsplit('.', 1)[1]}.weight"
     return prefix + _REVERSE_HC.get(rest, rest)
+
+
+def expert_names(args: V4Args, index):
+    """(layer, expert) -> the checkpoint names of a routed expert's gate, up and down weights (w1, w3, w2) in the
+    layout of the checkpoint `index` (hf_checkpoint.CheckpointIndex); layer num_hidden_layers is the MTP block."""
+    prefix = HF_PREFIX if any(n.startswith(HF_PREFIX) for n in index.files) else ""
+
+    def names(layer: int, e: int) -> tuple[str, str, str]:
+        block = "mtp.0." if layer == args.mtp_layer_id else f"{prefix}layers.{layer}."
+        return tuple(f"{block}ffn.experts.{e}.{w}.weight" for w in EXPERT_MATRICES)
+    return names

@@ -128,6 +128,12 @@ class V4Args:
         return list(range(self.num_hidden_layers))
 
     @property
+    def released_experts(self) -> str | None:
+        """The expert format the checkpoint's routed experts are stored in and served as, without a dense form
+        ("mxfp4" for expert_dtype fp4); None: FP8 (Base) or float experts."""
+        return "mxfp4" if self.expert_dtype == "fp4" else None
+
+    @property
     def has_mtp(self) -> bool:
         return self.num_nextn_predict_layers >= 1
 

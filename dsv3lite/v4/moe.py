@@ -26,7 +26,7 @@ class Gate(nn.Module):
         self.args, self.is_hash = args, args.is_hash_layer(layer_id)
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size, dtype=torch.float32))
         if self.is_hash:   # a trained token id -> expert ids table; a row may repeat an expert (then it counts twice)
-            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, args.num_experts_per_tok, dtype=torch.long))
+            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, args.num_experts_per_tok, dtype=torch.int32))
         else:
             self.register_buffer("bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
 
@@ -34,6 +34,10 @@ class Gate(nn.Module):
         """Routing scores [N, E] in fp32 from x [N, D]."""
         w = self.weight.float()
         return F.softplus(torch.mm(x.float(), inference_views(self, (w,), w.t))).sqrt()
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Expert ids [N, K] of a learned router from its scores [N, E]: top-k of score + bias (no groups)."""
+        return (scores + self.bias).topk(self.args.num_experts_per_tok, dim=-1, sorted=False).indices
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None):
         """x [N, D], tokens [N] (hash layers) -> (weights [N, K] fp32, ids [N, K], scores [N, E])."""
@@ -43,7 +47,7 @@ class Gate(nn.Module):
                 raise ValueError("a hash-routed layer needs the token ids")
             ids = self.tid2eid[tokens.reshape(-1)].long()
         else:
-            ids = (scores + self.bias).topk(self.args.num_experts_per_tok, dim=-1, sorted=False).indices
+            ids = self.select(scores)
         weights = scores.gather(1, ids)
         if self.args.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -91,21 +95,27 @@ class MoE(nn.Module):
         self.observers = Observers()          # the model's own, shared by all its layers (the model sets it)
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor | None = None):
-        """x [N, D], tokens [N] -> (weights [N, K] fp32, ids [N, K], scores [N, E])."""
-        return self.gate(x, tokens)
+        """x [..., D], tokens [...] (hash layers) -> (weights [N, K] fp32, ids [N, K], scores [N, E]) over its
+        N = x.numel() / D tokens."""
+        return self.gate(x.reshape(-1, x.shape[-1]), tokens)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         return self.shared_experts(x)
 
-    def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, ids, weights)
+    def routed(self, x: torch.Tensor, route) -> torch.Tensor:
+        """The routed experts' weighted sum for x [..., D] under `route` (route's result), shaped as x."""
+        weights, ids, _ = route
+        return self.experts(x.reshape(-1, x.shape[-1]), ids, weights).view(x.shape)
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S, D], tokens [B, S] (read by hash layers) -> [B, S, D]."""
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        weights, ids, scores = self.route(flat, tokens)
-        for fn in self.observers.routing:
-            fn(self.layer_id, ids, scores)
+    @staticmethod
+    def combine(routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        return routed + shared
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None, route=None) -> torch.Tensor:
+        """x [B, S, D], tokens [B, S] (read by hash layers) -> [B, S, D]; route: route(x, tokens), when computed
+        ahead (the layer observer event)."""
+        if route is None:
+            route = self.route(x, tokens)
+        self.observers.routed(self.layer_id, route[1], route[2])
         shared = self.shared(x)
-        return self.routed(flat, ids, weights).view(shape) + shared
+        return self.combine(self.routed(x, route), shared)
