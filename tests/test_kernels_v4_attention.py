@@ -8,10 +8,9 @@ import torch
 
 from dsv3lite.kernels import dispatch
 from dsv3lite.kernels.mla_decode import MAX_QUERIES
-from dsv3lite.testing_v4 import write_v4_hf
+from dsv3lite.testing_v4 import load_v4, write_v4_hf
 from dsv3lite.v4 import attention as v4attn
 from dsv3lite.v4.cache import new_cache
-from dsv3lite.v4.loader import load_v4
 
 triton = pytest.importorskip("triton")
 from dsv3lite.kernels.v4_attention import v4_decode_attention, v4_decode_attention_ref  # noqa: E402
