@@ -17,7 +17,8 @@
          256): the moe table (M = 1 and 2) and the prefill table (512 tokens)
   v4attn v4_decode_attention at V4-Flash's widths (64 heads, 512-wide key = value rows, window 128): CSA top-512
          of 16,384 entries (64K context), HCA at 64K and 1M, sliding, an MTP verify pass; batch 1 / 8 / 32; vs the
-         bytes it reads at copy bandwidth and vs its twin
+         bytes it reads at copy bandwidth and vs its twin; then index_scores, the indexer's scan of every key (64
+         heads x 128) at 64K and 1M
 
 Every kernel is checked against its twin once before it is timed (max error in the tables; a failed check
 makes the exit status 1). Timing: CUDA events, warmup, median of several repetitions; "GPU" times replay
@@ -64,9 +65,11 @@ V3["v4"] = dict(V3, hidden=4096, inter=2048, experts=256, top_k=6, prefill_token
                 heads=64, head_dim=512, window=128, ring=131,
                 attention=(("CSA 64K", 16384, 512, 1, (1, 8, 32)), ("HCA 64K", 512, 0, 1, (1, 8, 32)),
                            ("HCA 1M", 8192, 0, 1, (1, 8)), ("sliding", 0, 0, 1, (1, 32)),
-                           ("CSA 64K verify", 16384, 512, 4, (1,))))
+                           ("CSA 64K verify", 16384, 512, 4, (1,))),
+                index_heads=64, index_dim=128, indexer=((16384, (1, 8)), (262144, (1,))))
 TINY["v4"] = dict(TINY, top_k=3, swiglu_limit=0.5, head_dim=32, window=8, ring=11,
-                  attention=(("CSA", 20, 6, 1, (1, 2)), ("HCA", 5, 0, 2, (1,)), ("sliding", 0, 0, 1, (1,))))
+                  attention=(("CSA", 20, 6, 1, (1, 2)), ("HCA", 5, 0, 2, (1,)), ("sliding", 0, 0, 1, (1,))),
+                  index_heads=9, index_dim=16, indexer=((300, (1, 2)),))
 # V3's softmax scale: 192^-0.5 * mscale^2, mscale = 0.1 * ln(40) + 1 (YaRN factor 40, mscale_all_dim 1)
 MLA_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2
 L2_DEFEAT_BYTES = 256 << 20   # rotate through copies until this many bytes separate two reads of one copy
@@ -580,6 +583,39 @@ def section_v4attn(b: Bench, S: dict):
             ["MB read: each key row once per sequence (window rows from the ring, then the CSA top-k or every "
              "visible HCA entry); the 16-head blocks of a query read the same rows (from L2)",
              "states rotated through copies > L2; twin: v4_decode_attention_ref (the eager attention's math)"])
+    _v4_indexer_table(b, V, dtype)
+
+
+def _v4_indexer_table(b: Bench, V: dict, dtype):
+    from dsv3lite.kernels.v4_indexer import index_scores, index_scores_ref
+
+    heads, dim = V["index_heads"], V["index_dim"]
+    rows = []
+    for n, batches in V["indexer"]:
+        for batch in batches:
+            if b.left_s() < 5:
+                print(f"  v4attn: budget spent, skipping the indexer over {n} keys", file=sys.stderr)
+                continue
+            gen = torch.Generator().manual_seed(n + batch)
+            q = torch.randn(batch, 1, heads, dim, generator=gen).to(b.device, dtype)
+            weights = (torch.randn(batch, 1, heads, generator=gen) * heads ** -0.5).to(b.device)
+            nbytes = batch * n * dim * dtype.itemsize
+            copies = rotated(lambda i: torch.randn(batch, n, dim, device=b.device, dtype=dtype), nbytes, 16)
+            start = 4 * n
+            got = index_scores(q, weights, copies[0], start, 4)
+            err, ok = b.check(f"indexer {n} keys batch={batch}", got,
+                              index_scores_ref(q, weights, copies[0], torch.tensor([start], device=b.device), 4), 1e-2)
+            calls = [partial(index_scores, q, weights, k, start, 4) for k in copies]
+            gpu, eager = b.gpu_ms(calls), b.eager_ms(calls)
+            t = gpu if gpu is not None else eager
+            rows.append([n, 4 * n, batch, nbytes / 1e6, ms_us(gpu), ms_us(eager), nbytes / t / 1e6,
+                         None if not b.copy_gbs else 100 * nbytes / t / 1e6 / b.copy_gbs, err, ok])
+            del copies, got
+            free()
+    b.table("v4attn", f"index_scores: the lightning indexer's scan at decode ({heads} heads x {dim}, every key, "
+            f"{dtype}; the top-k after it is torch's)", ["keys", "context", "batch", "MB read", "GPU us", "eager us",
+                                                      "GB/s", "% of copy peak", "max err (rel)", "check"], rows,
+            ["at 1M context this scan is the largest read of a V4-Flash decode step (docs/dsv4-math.md §8)"])
 
 
 SECTIONS = {"peaks": section_peaks, "moe": section_moe, "mla": section_mla, "gemv": section_gemv,

@@ -126,7 +126,8 @@ stage_prefill() {
 # ---- stage: v4 --------------------------------------------------------------------------------------------------
 # DeepSeek-V4-Flash's kernels at its widths, each checked against its twin first: the mxfp4 experts with their SwiGLU
 # clamp (decode M = 1 and 2, the grouped prefill over 512 tokens) and the decode attention (CSA top-512 at 64K, HCA at
-# 64K and 1M, sliding, an MTP verify pass; batch 1 / 8 / 32), against the bytes they read at the copy peak.
+# 64K and 1M, sliding, an MTP verify pass; batch 1 / 8 / 32) with the indexer's scan at 64K and 1M, against the bytes
+# they read at the copy peak.
 stage_v4() {
     "$PYTHON" "$ROOT/benchmarks/gpu_kernels.py" "$WORK" --sections peaks,v4moe,v4attn --budget-s 29 $(dry)
 }

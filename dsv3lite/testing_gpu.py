@@ -152,7 +152,8 @@ V3 = dict(hidden=7168, inter=2048, top_k=8, heads=128, kv_lora_rank=512, rope_di
 KIMI_HEADS = 64           # Kimi-K2: V3's widths with 64 heads; its released experts are int4g32
 # DeepSeek-V4-Flash: mxfp4 routed experts with the SwiGLU clamp, MQA attention over 512-wide rows (V4-Pro: 128
 # heads, 1,024 top-k)
-V4 = dict(hidden=4096, inter=2048, top_k=6, heads=64, head_dim=512, window=128, index_topk=512, swiglu_limit=10.0)
+V4 = dict(hidden=4096, inter=2048, top_k=6, heads=64, head_dim=512, window=128, index_topk=512, swiglu_limit=10.0,
+          index_heads=64, index_dim=128)
 MOE_FORMATS = (("int4", 128), ("int4", 32), ("fp8", 128), ("bf16", 128), ("int4g32", 32))
 # (dtype, rows) per weight-reading launcher: batch-1 decode, tensor cores with 16-bit and fp32 x, 2 fp32 rows
 DECODE_SHAPES = (("bfloat16", 1), ("float16", 16), ("float32", 16), ("float32", 2))
@@ -194,6 +195,20 @@ def _v4_attention_case(dtype, heads, entries, topk, sq=1):
         idx = torch.zeros(1, sq, topk, dtype=torch.int32, device=device) if topk else None
         sink = torch.zeros(heads, dtype=torch.float32, device=device)
         v4_decode_attention(q, ring, 128 * entries, window, sink, dim ** -0.5, ent, idx, ratio=4 if topk else 128)
+    return run
+
+
+def _v4_indexer_case(dtype, keys, sq=1):
+    """The V4 indexer's scores at decode: 64 heads of 128 over `keys` index keys (a CSA layer at 4 x keys tokens)."""
+    def run(device="cpu"):
+        import torch
+
+        from .kernels.v4_indexer import index_scores
+
+        dt = getattr(torch, dtype)
+        q = torch.empty(1, sq, V4["index_heads"], V4["index_dim"], dtype=dt, device=device)
+        weights = torch.empty(1, sq, V4["index_heads"], dtype=torch.float32, device=device)
+        index_scores(q, weights, torch.empty(1, keys, V4["index_dim"], dtype=dt, device=device), 4 * keys, 4)
     return run
 
 
@@ -257,6 +272,9 @@ def _cases() -> dict:
         cases[f"v4attn {dt} Flash CSA 64K"] = (_v4_attention_case(dt, V4["heads"], 16384, V4["index_topk"]), every)
     cases["v4attn bfloat16 Flash HCA 1M"] = (_v4_attention_case("bfloat16", V4["heads"], 8192, 0), every)
     cases["v4attn bfloat16 Flash sliding"] = (_v4_attention_case("bfloat16", V4["heads"], 0, 0), every)
+    for dt in DTYPES:
+        cases[f"v4attn indexer {dt} Flash 64K"] = (_v4_indexer_case(dt, 16384), every)
+    cases["v4attn indexer bfloat16 Flash 1M verify"] = (_v4_indexer_case("bfloat16", 262144, sq=4), every)
     cases["v4attn bfloat16 Pro CSA verify"] = (_v4_attention_case("bfloat16", 128, 16384, 1024, sq=4), every)
     for fmt in ("int4", "fp8"):
         for dt, m in DECODE_SHAPES:

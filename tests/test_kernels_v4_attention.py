@@ -1,6 +1,7 @@
-"""DeepSeek-V4 decode attention (kernels/v4_attention.py): the twin is the eager attention's math on a real decode
-state (window ring, CSA selection, HCA entries), the Triton kernel (in the interpreter without a GPU) matches the
-twin at small widths and at V4-Flash's (512-wide rows, 64 heads), and a tiny V4 decodes the same through it."""
+"""DeepSeek-V4 decode attention (kernels/v4_attention.py) and indexer scores (kernels/v4_indexer.py): the twin is
+the eager attention's math on a real decode state (window ring, CSA selection, HCA entries), the Triton kernels (in
+the interpreter without a GPU) match their twins at small widths and at V4-Flash's (512-wide rows and 64 heads;
+64 index heads of 128), and a tiny V4 decodes the same through them."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,7 @@ from dsv3lite.v4.cache import new_cache
 
 triton = pytest.importorskip("triton")
 from dsv3lite.kernels.v4_attention import v4_decode_attention, v4_decode_attention_ref  # noqa: E402
+from dsv3lite.kernels.v4_indexer import index_scores, index_scores_ref  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -132,14 +134,34 @@ def test_sink_takes_the_weight_of_a_query_without_keys():
     torch.testing.assert_close(want[:, 0, 2], p_row[:, None] * kv[:, 0], rtol=1e-5, atol=1e-6)
 
 
+# --- the indexer's scores --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,dim,n,sq", [(9, 12, 300, 3), (9, 12, 2000, 4), (64, 128, 700, 1)])
+def test_index_scores_match_twin(heads, dim, n, sq, dtype):
+    """Odd head counts and widths (masked), a tile a program and several (2,000 keys), partial tiles; the last
+    queries see all but a few keys."""
+    gen = torch.Generator().manual_seed(heads)
+    q = torch.randn(2, sq, heads, dim, generator=gen).to(DEVICE, dtype)
+    keys = torch.randn(2, n, dim, generator=gen).to(DEVICE, dtype)
+    weights = (torch.randn(2, sq, heads, generator=gen) * heads ** -0.5).to(DEVICE)
+    start = 4 * n - 9
+    got = index_scores(q, weights, keys, start, 4)
+    want = index_scores_ref(q, weights, keys, torch.arange(start, start + sq, device=DEVICE), 4)
+    hidden = torch.isinf(want)
+    assert hidden.any() and torch.equal(torch.isinf(got), hidden)                       # the same keys not visible
+    assert_close(f"index {heads}x{dim} {dtype}", got.masked_fill(hidden, 0), want.masked_fill(hidden, 0), 1e-5)
+
+
 # --- the model through the kernel ---------------------------------------------------------------------------
 
 def test_tiny_v4_decodes_the_same_through_the_kernel(tiny_dir, monkeypatch):
     model = load_v4(tiny_dir, log=lambda m: None)
     ids = torch.randint(2, model.args.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))
-    calls = []
-    real = v4attn.v4_decode_attention
+    calls, index_calls = [], []
+    real, real_index = v4attn.v4_decode_attention, v4attn.index_scores
     monkeypatch.setattr(v4attn, "v4_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(v4attn, "index_scores", lambda *a, **k: index_calls.append(1) or real_index(*a, **k))
 
     def decode(kernels):
         monkeypatch.setenv("DSV3LITE_KERNELS", kernels)
@@ -151,7 +173,7 @@ def test_tiny_v4_decodes_the_same_through_the_kernel(tiny_dir, monkeypatch):
         return torch.stack(steps)
 
     want = decode("ref")
-    assert not calls
+    assert not calls and not index_calls
     got = decode("triton")
-    assert len(calls) == 4 * model.args.num_hidden_layers
+    assert len(calls) == 4 * model.args.num_hidden_layers and index_calls            # CSA layers select here
     torch.testing.assert_close(got, want, rtol=0, atol=2e-4)

@@ -18,6 +18,7 @@ from torch import nn
 from ..kernels import dispatch
 from ..kernels.mla_decode import MAX_QUERIES
 from ..kernels.v4_attention import gather_rows, sink_attention, v4_decode_attention
+from ..kernels.v4_indexer import index_scores, index_scores_ref
 from ..model import Linear, rope_inv_freq
 from .cache import CompressorState, SlidingCache
 from .config import CSA, SLIDING, V4Args
@@ -147,25 +148,28 @@ class Indexer(nn.Module):
         self.compressor = Compressor(args.hidden_size, self.ratio, True, self.head_dim, args.rms_norm_eps)
 
     def select(self, a: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-               rotary: Rotary) -> torch.Tensor:
+               rotary: Rotary, start: int | None = None) -> torch.Tensor:
         """Entry ids [B, S, min(topk, N)] each query keeps among keys [B, N, head_dim]; -1 marks a pick the query
-        cannot see (fewer visible entries than picks). a [B, S, D], qr: the query latent [B, S, q_lora_rank]."""
+        cannot see (fewer visible entries than picks). a [B, S, D], qr: the query latent [B, S, q_lora_rank].
+        start (positions[0]): with it, a decode step's scores come from the Triton kernel where kernels run."""
         bsz, seqlen, _ = a.shape
         q = self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim)
-        q = apply_rope(q, *(t[:, None] for t in rotary.at(positions, q.dtype))).float()
+        q = apply_rope(q, *(t[:, None] for t in rotary.at(positions, q.dtype)))
         weights = self.weights_proj(a).float() * self.n_heads ** -0.5                # [B, S, H]
-        k = keys.float().transpose(1, 2)[:, None]                                  # [B, 1, dI, N]
         n = keys.shape[1]
         visible = (positions + 1) // self.ratio                                    # entries w < visible
-        block = max(1, SCORE_ELEMENTS // max(1, bsz * self.n_heads * n))
+        kernel = start is not None and seqlen <= MAX_QUERIES and keys.dtype == q.dtype and \
+            dispatch.use_kernels(q.device)
+        block = seqlen if kernel else max(1, SCORE_ELEMENTS // max(1, bsz * self.n_heads * n))
         picked = []
         for s0 in range(0, seqlen, block):
-            scores = torch.matmul(q[:, s0:s0 + block], k).relu_() * self.head_dim ** -0.5   # [B, s, H, N]
-            index = (scores * weights[:, s0:s0 + block, :, None]).sum(dim=2)               # [B, s, N]
-            limit = visible[s0:s0 + block, None]
-            future = torch.arange(n, device=a.device)[None, :] >= limit                      # [s, N]
-            top = index.masked_fill(future, float("-inf")).topk(min(self.topk, n), dim=-1).indices
-            picked.append(torch.where(top >= limit, -1, top))
+            if kernel:
+                index = index_scores(q, weights, keys, start, self.ratio)                      # [B, S, N]
+            else:
+                index = index_scores_ref(q[:, s0:s0 + block], weights[:, s0:s0 + block], keys,
+                                         positions[s0:s0 + block], self.ratio)
+            top = index.topk(min(self.topk, n), dim=-1).indices
+            picked.append(torch.where(top >= visible[s0:s0 + block, None], -1, top))
         return torch.cat(picked, dim=1)
 
 
@@ -216,7 +220,7 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 index_keys = self.indexer.compressor.update(a, start, states["indexer"], self.compress_rotary)
                 if entries.shape[1] > self.indexer.topk:   # else every visible entry is picked: the causal mask
-                    selected = self.indexer.select(a, qr, positions, index_keys, self.compress_rotary)
+                    selected = self.indexer.select(a, qr, positions, index_keys, self.compress_rotary, start)
         if kernel:
             out = v4_decode_attention(q, cache.window.kv, start, self.window, self.attn_sink, self.head_dim ** -0.5,
                                       entries, None if selected is None else selected.to(torch.int32), self.ratio)
