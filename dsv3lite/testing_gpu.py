@@ -275,6 +275,7 @@ def _cases() -> dict:
     for dt in DTYPES:
         cases[f"v4attn indexer {dt} Flash 64K"] = (_v4_indexer_case(dt, 16384), every)
     cases["v4attn indexer bfloat16 Flash 1M verify"] = (_v4_indexer_case("bfloat16", 262144, sq=4), every)
+    cases["v4attn indexer float32 Flash 1M"] = (_v4_indexer_case("float32", 262144), every)   # several tiles a program
     cases["v4attn bfloat16 Pro CSA verify"] = (_v4_attention_case("bfloat16", 128, 16384, 1024, sq=4), every)
     for fmt in ("int4", "fp8"):
         for dt, m in DECODE_SHAPES:

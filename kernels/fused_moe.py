@@ -467,21 +467,19 @@ def fused_moe_grouped(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.
     out = torch.empty(pairs, d, dtype=x.dtype, device=x.device)
     launch = dict(TOP_K=top_k, FMT=fmt, GROUP=group, BLOCK_M=cfg["block_m"], UPCAST=upcast, PRECISION=precision,
                   PREFETCH=cfg["prefetch"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    down_launch = dict(launch)
-    launch["LIMIT"] = _limit(limit)
 
     _, bn, bk = plan_blocks(fmt, 16, inter, d, group, True, cfg["block_n"], cfg["block_k"])
     _grouped_gate_up_kernel[(tiles.shape[0], triton.cdiv(inter, bn))](
         x, order, tiles, slot_of_expert, wview, sview, h,
         d, inter, num_tiles(fmt, d, group, bk), x.stride(0),
         wslot, sslot, off["gate.w"], off["gate.s"], off["gate.z"], off["up.w"], off["up.s"], off["up.z"],
-        *strides["gate"], BLOCK_N=bn, BLOCK_K=bk, **launch)
+        *strides["gate"], BLOCK_N=bn, BLOCK_K=bk, LIMIT=_limit(limit), **launch)
     _, bd, bk = plan_blocks(fmt, 16, d, inter, group, True, cfg["block_n"], cfg["block_k"])
     _grouped_down_kernel[(tiles.shape[0], triton.cdiv(d, bd))](
         h, order, tiles, weights.reshape(-1).contiguous(), slot_of_expert, wview, sview, out,
         d, inter, num_tiles(fmt, inter, group, bk),
         wslot, sslot, off["down.w"], off["down.s"], off["down.z"], *strides["down"],
-        BLOCK_N=bd, BLOCK_K=bk, **down_launch)
+        BLOCK_N=bd, BLOCK_K=bk, **launch)
     # token t's pairs sit at rows inv[t * K + k] of `out`; sorted, those rows run in ascending expert id
     inv = torch.empty_like(order)
     inv[order] = torch.arange(pairs, device=x.device)
