@@ -97,6 +97,7 @@ def test_twin_is_the_eager_attention_on_decode_states(tiny_dir, monkeypatch):
     ("sliding", 3, 1, 1),          # fewer tokens than the window
     ("sliding", 45, 4, 2),         # ring wrapped, a verify pass, two splits
     ("hca", 50, 2, None),          # all entries visible by position
+    ("hca", 46, 3, 2),             # the second query closes a window: it sees one entry more than the first
     ("csa", 61, 3, 3),             # index lists with holes, three splits
     ("csa", 20, 1, None),
 ])
