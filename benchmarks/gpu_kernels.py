@@ -13,6 +13,12 @@
          (more than 3% faster) go to --tuning-out, a JSON file for DSV3LITE_TUNING
   prefill the grouped kernels (expert-major, weights decoded in registers) against the dequantizing path, one
          MoE layer over 512 and 2048 prompt tokens with all 256 experts resident (int4 / fp8 / int4g32)
+  v4moe  DeepSeek-V4-Flash's routed experts as released (mxfp4, SwiGLU clamped at 10; D=4096 I=2048, top-6 of
+         256): the moe table (M = 1 and 2) and the prefill table (512 tokens)
+  v4attn v4_decode_attention at V4-Flash's widths (64 heads, 512-wide key = value rows, window 128): CSA top-512
+         of 16,384 entries (64K context), HCA at 64K and 1M, sliding, an MTP verify pass; batch 1 / 8 / 32; vs the
+         bytes it reads at copy bandwidth and vs its twin; then index_scores, the indexer's scan of every key (64
+         heads x 128) at 64K and 1M
 
 Every kernel is checked against its twin once before it is timed (max error in the tables; a failed check
 makes the exit status 1). Timing: CUDA events, warmup, median of several repetitions; "GPU" times replay
@@ -53,6 +59,17 @@ TINY = dict(hidden=72, inter=40, experts=16, top_k=4, slots=8, heads=4, kv_lora_
             contexts=(40, 130), batches=(1, 3), gemv=((40, 72), (72, 40)), gemv_rows=(1, 5),
             copies=2, sdpa_max_context=64, sdpa_max_batch=2, copy_bytes=1 << 20, matmul=128,
             reps=1, max_calls=2, prefill_tokens=(24,))
+# DeepSeek-V4-Flash (docs/dsv4-math.md §1.1): its routed experts in the moe / prefill tables' keys, its attention
+# (layer, entries, top-k (0: HCA, all visible), Sq, batches)
+V3["v4"] = dict(V3, hidden=4096, inter=2048, experts=256, top_k=6, prefill_tokens=(512,), swiglu_limit=10.0,
+                heads=64, head_dim=512, window=128, ring=131,
+                attention=(("CSA 64K", 16384, 512, 1, (1, 8, 32)), ("HCA 64K", 512, 0, 1, (1, 8, 32)),
+                           ("HCA 1M", 8192, 0, 1, (1, 8)), ("sliding", 0, 0, 1, (1, 32)),
+                           ("CSA 64K verify", 16384, 512, 4, (1,))),
+                index_heads=64, index_dim=128, indexer=((16384, (1, 8)), (262144, (1,))))
+TINY["v4"] = dict(TINY, top_k=3, swiglu_limit=0.5, head_dim=32, window=8, ring=11,
+                  attention=(("CSA", 20, 6, 1, (1, 2)), ("HCA", 5, 0, 2, (1,)), ("sliding", 0, 0, 1, (1,))),
+                  index_heads=9, index_dim=16, indexer=((300, (1, 2)),))
 # V3's softmax scale: 192^-0.5 * mscale^2, mscale = 0.1 * ln(40) + 1 (YaRN factor 40, mscale_all_dim 1)
 MLA_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2
 L2_DEFEAT_BYTES = 256 << 20   # rotate through copies until this many bytes separate two reads of one copy
@@ -236,14 +253,15 @@ def _moe_routing(m: int, call: int, S: dict, device):
     return ids.to(device), weights.to(device)
 
 
-def section_moe(b: Bench, S: dict):
+def section_moe(b: Bench, S: dict, formats=("int4", "fp8", "int4g32", "bf16"), section="moe"):
     from dsv3lite.kernels.fused_moe import fused_moe, fused_moe_ref
     from dsv3lite.quant.formats import get_format
 
     hidden, inter, slots = S["hidden"], S["inter"], S["slots"]
+    limit = S.get("swiglu_limit")
     dtype = torch.bfloat16
     rows = []
-    for name in ("int4", "fp8", "int4g32", "bf16"):
+    for name in formats:
         if b.left_s() < 15:
             print(f"  moe: budget spent, skipping {name}", file=sys.stderr)
             break
@@ -263,12 +281,12 @@ def section_moe(b: Bench, S: dict):
             n_calls = max(1, min(S["max_calls"], slots // (S["top_k"] * m)))
             routes = [_moe_routing(m, i, S, b.device) for i in range(n_calls)]
             args = lambda r: (x, r[0], r[1], slot_of_expert, pool, layout)   # noqa: E731
+            kernel, twin_fn = partial(fused_moe, limit=limit), partial(fused_moe_ref, limit=limit)
             # the twin rounds each expert's weighted output to bf16 and adds in bf16; the kernel adds in fp32
-            err, ok = b.check(f"fused_moe {name} M={m}", fused_moe(*args(routes[0])), fused_moe_ref(*args(routes[0])),
-                              5e-2)
-            calls = [partial(fused_moe, *args(r)) for r in routes]
+            err, ok = b.check(f"fused_moe {name} M={m}", kernel(*args(routes[0])), twin_fn(*args(routes[0])), 5e-2)
+            calls = [partial(kernel, *args(r)) for r in routes]
             gpu, eager = b.gpu_ms(calls), b.eager_ms(calls)
-            twin = b.eager_ms([partial(fused_moe_ref, *args(r)) for r in routes[:2]], reps=2, warmup=1)
+            twin = b.eager_ms([partial(twin_fn, *args(r)) for r in routes[:2]], reps=2, warmup=1)
             distinct = len(set(routes[0][0].flatten().tolist()))
             nbytes = distinct * layout.blob_bytes
             t = gpu if gpu is not None else eager
@@ -277,14 +295,16 @@ def section_moe(b: Bench, S: dict):
                          None if roof_ms is None else 100 * roof_ms / t, ms_us(twin), twin / t, err, ok])
         del pool
         free()
-    b.table("moe", f"fused_moe: one MoE layer ({S['top_k']} experts per token, D={hidden}, I={inter}, bf16)",
+    clamp = f", SwiGLU clamped at {limit:g}" if limit else ""
+    b.table(section, f"fused_moe: one MoE layer ({S['top_k']} experts per token, D={hidden}, I={inter}, bf16{clamp})",
             ["format", "M", "experts read", "MB read", "GPU us", "eager us", "GB/s", "% of copy peak",
              "twin us", "twin / kernel", "max err (rel)", "check"], rows,
             ["GPU us: calls replayed from a CUDA graph; eager us: Python launches included (2 kernels per call)",
              f"% of copy peak: time to read the experts' blobs at the measured copy bandwidth "
              f"({b.copy_gbs or 0:.0f} GB/s) over the kernel's time",
              "twin: fused_moe_ref (dequantize each expert to bf16, then matmuls, combine in bf16)",
-             "int4: group 128; int4g32: Kimi-K2-Thinking / K2.5's released experts (symmetric, group 32, bf16 scales)"])
+             "int4: group 128; int4g32: Kimi-K2-Thinking / K2.5's released experts (symmetric, group 32, bf16 scales); "
+             "mxfp4: DeepSeek-V4's released experts (e2m1 codes, a ue8m0 scale per 32)"])
 
 
 def section_mla(b: Bench, S: dict):
@@ -460,14 +480,15 @@ def section_sweep(b: Bench, S: dict):
              "fused_moe rows time the whole layer (both launches) with the candidate on one of them"])
 
 
-def section_prefill(b: Bench, S: dict):
+def section_prefill(b: Bench, S: dict, formats=("int4", "fp8", "int4g32"), section="prefill"):
     """The grouped kernels against the dequantizing path they replace, one MoE layer of a prompt."""
     from dsv3lite.kernels.fused_moe import fused_moe_grouped, fused_moe_grouped_ref
     from dsv3lite.quant.formats import get_format
 
     hidden, inter, experts, top_k = S["hidden"], S["inter"], S["experts"], S["top_k"]
+    limit = S.get("swiglu_limit")
     rows = []
-    for name in ("int4", "fp8", "int4g32"):
+    for name in formats:
         if b.left_s() < 10:
             break
         fmt = get_format(name, 128)
@@ -484,18 +505,21 @@ def section_prefill(b: Bench, S: dict):
             weights = (torch.rand(tokens, top_k, generator=gen) + 0.1).to(b.device)
             x = torch.randn(tokens, hidden, device=b.device, dtype=torch.bfloat16)
             args = (x, ids, weights, slot_of_expert, pool, layout)
-            got, want = fused_moe_grouped(*args), fused_moe_grouped_ref(*args)
+            kernel = partial(fused_moe_grouped, *args, limit=limit)
+            twin_fn = partial(fused_moe_grouped_ref, *args, limit=limit)
+            got, want = kernel(), twin_fn()
             err, ok = b.check(f"grouped {name} {tokens} tokens", got, want, 5e-2)
             del got, want
-            t = b.eager_ms([partial(fused_moe_grouped, *args)], reps=3)
-            twin = b.eager_ms([partial(fused_moe_grouped_ref, *args)], reps=1, warmup=1)
+            t = b.eager_ms([kernel], reps=3)
+            twin = b.eager_ms([twin_fn], reps=1, warmup=1)
             flops = 2 * 3 * tokens * top_k * hidden * inter
             rows.append([name, tokens, len(set(ids.flatten().tolist())), t, twin, twin / t, flops / t / 1e9,
                          None if not b.matmul_tflops else 100 * flops / t / 1e9 / b.matmul_tflops, err, ok])
         del pool
         free()
-    b.table("prefill", f"Routed experts of one MoE layer over a prompt ({experts} experts, top-{top_k}, D={hidden}, "
-            f"I={inter}, bf16): grouped kernels vs dequantizing each expert",
+    clamp = f", SwiGLU clamped at {limit:g}" if limit else ""
+    b.table(section, f"Routed experts of one MoE layer over a prompt ({experts} experts, top-{top_k}, D={hidden}, "
+            f"I={inter}, bf16{clamp}): grouped kernels vs dequantizing each expert",
             ["format", "tokens", "experts hit", "grouped ms", "dequantizing ms", "speedup", "TFLOP/s",
              "% of bf16 matmul peak", "max err (rel)", "check"], rows,
             ["grouped: fused_moe_grouped (expert-major tiles, weights decoded in registers, no host sync); "
@@ -503,8 +527,99 @@ def section_prefill(b: Bench, S: dict):
              "fp32, then matmuls)"])
 
 
+def section_v4moe(b: Bench, S: dict):
+    """DeepSeek-V4-Flash's mxfp4 experts with their clamp: decode (the moe table), then prefill."""
+    section_moe(b, S["v4"], ("mxfp4",), "v4moe")
+    if b.left_s() > 10:
+        section_prefill(b, S["v4"], ("mxfp4",), "v4moe")
+
+
+def section_v4attn(b: Bench, S: dict):
+    from dsv3lite.kernels.v4_attention import v4_decode_attention, v4_decode_attention_ref
+
+    V = S["v4"]
+    heads, dim, window, ring = V["heads"], V["head_dim"], V["window"], V["ring"]
+    dtype = torch.bfloat16 if b.cuda else torch.float32
+    scale = dim ** -0.5
+    rows = []
+    for name, n_entries, topk, sq, batches in V["attention"]:
+        for batch in batches:
+            if b.left_s() < 6:
+                print(f"  v4attn: budget spent, skipping {name} batch={batch}", file=sys.stderr)
+                continue
+            ratio = 4 if topk else 128
+            start = max(n_entries * ratio, 4 * window)                 # the context the entries summarise
+            gen = torch.Generator().manual_seed(batch)
+            q = torch.randn(batch, sq, heads, dim, generator=gen).to(b.device, dtype)
+            sink = torch.randn(heads, generator=gen).to(b.device)
+            state_bytes = batch * (ring + n_entries) * dim * dtype.itemsize
+            states = rotated(lambda i: (torch.randn(batch, ring, dim, device=b.device, dtype=dtype),
+                                        torch.randn(batch, n_entries, dim, device=b.device, dtype=dtype)
+                                        if n_entries else None), state_bytes, 16)
+            idx = None
+            if topk:
+                idx = torch.stack([torch.randperm(n_entries, generator=gen)[:topk] for _ in range(batch * sq)])
+                idx = idx.view(batch, sq, topk).to(torch.int32).to(b.device)
+
+            def run(st, f=v4_decode_attention):
+                return f(q, st[0], start, window, sink, scale, st[1], idx, ratio)
+            err, ok = b.check(f"v4attn {name} batch={batch}", run(states[0]), run(states[0], v4_decode_attention_ref),
+                              2e-2)
+            calls = [partial(run, st) for st in states]
+            gpu, eager = b.gpu_ms(calls), b.eager_ms(calls)
+            twin = b.eager_ms([partial(run, states[0], v4_decode_attention_ref)], reps=2, warmup=1)
+            keys = window + (topk or (min(n_entries, (start + 1) // ratio) if n_entries else 0))
+            nbytes = batch * keys * dim * dtype.itemsize          # each key row once (the head blocks share it)
+            t = gpu if gpu is not None else eager
+            rows.append([name, sq, batch, keys, nbytes / 1e6, ms_us(gpu), ms_us(eager), nbytes / t / 1e6,
+                         None if not b.copy_gbs else 100 * nbytes / t / 1e6 / b.copy_gbs, ms_us(twin), twin / t,
+                         err, ok])
+            del states, q
+            free()
+    b.table("v4attn", f"v4_decode_attention: DeepSeek-V4 decode, {heads} heads over {dim}-wide key = value rows "
+            f"(MQA), window {window} + compressed entries, the sink, {dtype}",
+            ["layer", "Sq", "batch", "keys a query", "MB read", "GPU us", "eager us", "GB/s", "% of copy peak",
+             "twin us", "twin / kernel", "max err (rel)", "check"], rows,
+            ["MB read: each key row once per sequence (window rows from the ring, then the CSA top-k or every "
+             "visible HCA entry); the 16-head blocks of a query read the same rows (from L2)",
+             "states rotated through copies > L2; twin: v4_decode_attention_ref (the eager attention's math)"])
+    _v4_indexer_table(b, V, dtype)
+
+
+def _v4_indexer_table(b: Bench, V: dict, dtype):
+    from dsv3lite.kernels.v4_indexer import index_scores, index_scores_ref
+
+    heads, dim = V["index_heads"], V["index_dim"]
+    rows = []
+    for n, batches in V["indexer"]:
+        for batch in batches:
+            if b.left_s() < 5:
+                print(f"  v4attn: budget spent, skipping the indexer over {n} keys", file=sys.stderr)
+                continue
+            gen = torch.Generator().manual_seed(n + batch)
+            q = torch.randn(batch, 1, heads, dim, generator=gen).to(b.device, dtype)
+            weights = (torch.randn(batch, 1, heads, generator=gen) * heads ** -0.5).to(b.device)
+            nbytes = batch * n * dim * dtype.itemsize
+            copies = rotated(lambda i: torch.randn(batch, n, dim, device=b.device, dtype=dtype), nbytes, 16)
+            start = 4 * n
+            got = index_scores(q, weights, copies[0], start, 4)
+            err, ok = b.check(f"indexer {n} keys batch={batch}", got,
+                              index_scores_ref(q, weights, copies[0], torch.tensor([start], device=b.device), 4), 1e-2)
+            calls = [partial(index_scores, q, weights, k, start, 4) for k in copies]
+            gpu, eager = b.gpu_ms(calls), b.eager_ms(calls)
+            t = gpu if gpu is not None else eager
+            rows.append([n, 4 * n, batch, nbytes / 1e6, ms_us(gpu), ms_us(eager), nbytes / t / 1e6,
+                         None if not b.copy_gbs else 100 * nbytes / t / 1e6 / b.copy_gbs, err, ok])
+            del copies, got
+            free()
+    b.table("v4attn", f"index_scores: the lightning indexer's scan at decode ({heads} heads x {dim}, every key, "
+            f"{dtype}; the top-k after it is torch's)", ["keys", "context", "batch", "MB read", "GPU us", "eager us",
+                                                      "GB/s", "% of copy peak", "max err (rel)", "check"], rows,
+            ["at 1M context this scan is the largest read of a V4-Flash decode step (docs/dsv4-math.md §8)"])
+
+
 SECTIONS = {"peaks": section_peaks, "moe": section_moe, "mla": section_mla, "gemv": section_gemv,
-            "sweep": section_sweep, "prefill": section_prefill}
+            "sweep": section_sweep, "prefill": section_prefill, "v4moe": section_v4moe, "v4attn": section_v4attn}
 
 
 def _device_name(b: Bench) -> str:
@@ -535,6 +650,7 @@ def main() -> int:
         return 2
     if args.dry_run:
         import dsv3lite.kernels.fused_moe, dsv3lite.kernels.mla_decode, dsv3lite.kernels.quant_matmul  # noqa: F401
+        import dsv3lite.kernels.v4_attention  # noqa: F401
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"kernels_{'_'.join(sections)}.md").write_text(
             f"### kernels (dry run): sections {', '.join(sections)}, budget {args.budget_s:.0f} s\n")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("tests/test_kernels_moe.py", "tests/test_kernels_quant.py", "tests/test_kernels_mla.py",
-         "tests/test_dense_cuda.py")
+         "tests/test_kernels_v4_attention.py", "tests/test_dense_cuda.py")
 OUTCOME = re.compile(r"^(\S+::\S+.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
 
 

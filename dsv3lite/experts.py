@@ -126,11 +126,11 @@ class BlobExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and cpu_experts.available(self.layout, self.limit):
             return self._cpu(x, ids, weights)
-        if self.fmt.fused_kernel and dispatch.use_kernels(x.device) and self.limit is None:
+        if self.fmt.fused_kernel and dispatch.use_kernels(x.device):
             if x.shape[0] <= FUSED_MAX_TOKENS:
-                return fused_moe(x, ids, weights, self.slot_table, self.blobs, self.layout)
+                return fused_moe(x, ids, weights, self.slot_table, self.blobs, self.layout, limit=self.limit)
             # prefill: expert-major on tensor cores, weights decoded in registers, no read of the routing
-            return fused_moe_grouped(x, ids, weights, self.slot_table, self.blobs, self.layout)
+            return fused_moe_grouped(x, ids, weights, self.slot_table, self.blobs, self.layout, limit=self.limit)
         return combine_experts(self.expert, x, ids, weights)
 
     def graph_safe(self, device: torch.device) -> bool:
@@ -141,7 +141,7 @@ class BlobExperts(nn.Module):
             return False
         if device.type == "cpu":
             return cpu_experts.available(self.layout, self.limit)
-        return bool(self.fmt.fused_kernel) and self.limit is None and dispatch.use_kernels(device)
+        return bool(self.fmt.fused_kernel) and dispatch.use_kernels(device)
 
     def cpu_blobs(self):
         """(blob addresses [E], layout descriptor, tensors read) for the CPU decode step (kernels/cpu_decode.py),

@@ -150,6 +150,10 @@ def simulated_gpu(cc: int):
 DTYPES = ("bfloat16", "float16", "float32")
 V3 = dict(hidden=7168, inter=2048, top_k=8, heads=128, kv_lora_rank=512, rope_dim=64)
 KIMI_HEADS = 64           # Kimi-K2: V3's widths with 64 heads; its released experts are int4g32
+# DeepSeek-V4-Flash: mxfp4 routed experts with the SwiGLU clamp, MQA attention over 512-wide rows (V4-Pro: 128
+# heads, 1,024 top-k)
+V4 = dict(hidden=4096, inter=2048, top_k=6, heads=64, head_dim=512, window=128, index_topk=512, swiglu_limit=10.0,
+          index_heads=64, index_dim=128)
 MOE_FORMATS = (("int4", 128), ("int4", 32), ("fp8", 128), ("bf16", 128), ("int4g32", 32))
 # (dtype, rows) per weight-reading launcher: batch-1 decode, tensor cores with 16-bit and fp32 x, 2 fp32 rows
 DECODE_SHAPES = (("bfloat16", 1), ("float16", 16), ("float32", 16), ("float32", 2))
@@ -176,6 +180,38 @@ def _mla_case(dtype, heads, context, sq=1, index_topk=0):
     return run
 
 
+def _v4_attention_case(dtype, heads, entries, topk, sq=1):
+    """V4 decode attention at V4's widths: the 131-row window ring, `entries` compressed rows (CSA: `topk` picked
+    per query; HCA: topk 0, all visible; none: a sliding layer)."""
+    def run(device="cpu"):
+        import torch
+
+        from .kernels.v4_attention import v4_decode_attention
+
+        dt, dim, window = getattr(torch, dtype), V4["head_dim"], V4["window"]
+        q = torch.empty(1, sq, heads, dim, dtype=dt, device=device)
+        ring = torch.empty(1, window + 3, dim, dtype=dt, device=device)
+        ent = torch.empty(1, entries, dim, dtype=dt, device=device) if entries else None
+        idx = torch.zeros(1, sq, topk, dtype=torch.int32, device=device) if topk else None
+        sink = torch.zeros(heads, dtype=torch.float32, device=device)
+        v4_decode_attention(q, ring, 128 * entries, window, sink, dim ** -0.5, ent, idx, ratio=4 if topk else 128)
+    return run
+
+
+def _v4_indexer_case(dtype, keys, sq=1):
+    """The V4 indexer's scores at decode: 64 heads of 128 over `keys` index keys (a CSA layer at 4 x keys tokens)."""
+    def run(device="cpu"):
+        import torch
+
+        from .kernels.v4_indexer import index_scores
+
+        dt = getattr(torch, dtype)
+        q = torch.empty(1, sq, V4["index_heads"], V4["index_dim"], dtype=dt, device=device)
+        weights = torch.empty(1, sq, V4["index_heads"], dtype=torch.float32, device=device)
+        index_scores(q, weights, torch.empty(1, keys, V4["index_dim"], dtype=dt, device=device), 4 * keys, 4)
+    return run
+
+
 def _gemv_case(dtype, fmt, m, tune=None, n=7168, k=2048):
     def run(device="cpu"):
         import torch
@@ -197,22 +233,23 @@ def _gemv_case(dtype, fmt, m, tune=None, n=7168, k=2048):
     return run
 
 
-def _moe_case(dtype, fmt, group, m, launcher="fused_moe", tune=None):
+def _moe_case(dtype, fmt, group, m, launcher="fused_moe", tune=None, model=V3):
+    """One MoE launcher at `model`'s sizes (V4's: with its SwiGLU clamp, a constexpr of the gate+up kernels)."""
     def run(device="cpu"):
         import torch
 
         from .kernels import fused_moe as fm, tuning
         from .quant.formats import get_format
 
-        layout = get_format(fmt, group).layout(V3["inter"], V3["hidden"])
+        layout = get_format(fmt, group).layout(model["inter"], model["hidden"])
         slots = 16
-        x = torch.empty(m, V3["hidden"], dtype=getattr(torch, dtype), device=device)
-        ids = torch.stack([torch.randperm(slots)[:V3["top_k"]] for _ in range(m)]).to(device)
-        weights = torch.empty(m, V3["top_k"], dtype=torch.float32, device=device)
+        x = torch.empty(m, model["hidden"], dtype=getattr(torch, dtype), device=device)
+        ids = torch.stack([torch.randperm(slots)[:model["top_k"]] for _ in range(m)]).to(device)
+        weights = torch.empty(m, model["top_k"], dtype=torch.float32, device=device)
         pool = torch.empty(slots, layout.blob_bytes, dtype=torch.uint8, device=device)
         with _trying(tuning, *(tune or (None, None))):
             getattr(fm, launcher)(x, ids, weights, torch.arange(slots, dtype=torch.int32, device=device), pool,
-                                  layout)
+                                  layout, limit=model.get("swiglu_limit"))
     return run
 
 
@@ -229,6 +266,17 @@ def _cases() -> dict:
     for dt in ("bfloat16", "float32"):
         cases[f"mla {dt} V3.2 sparse"] = (_mla_case(dt, V3["heads"], 8192, index_topk=2048), every)
     cases["mla bfloat16 Kimi-K2 128K verify"] = (_mla_case("bfloat16", KIMI_HEADS, 131072, sq=2), every)
+    # DeepSeek-V4: a CSA layer at 64K (Flash's top-512 of 16,384 entries), an HCA layer at 1M (8,192 entries), and
+    # V4-Pro's 128 heads with its top-1,024 in an MTP verify pass
+    for dt in DTYPES:
+        cases[f"v4attn {dt} Flash CSA 64K"] = (_v4_attention_case(dt, V4["heads"], 16384, V4["index_topk"]), every)
+    cases["v4attn bfloat16 Flash HCA 1M"] = (_v4_attention_case("bfloat16", V4["heads"], 8192, 0), every)
+    cases["v4attn bfloat16 Flash sliding"] = (_v4_attention_case("bfloat16", V4["heads"], 0, 0), every)
+    for dt in DTYPES:
+        cases[f"v4attn indexer {dt} Flash 64K"] = (_v4_indexer_case(dt, 16384), every)
+    cases["v4attn indexer bfloat16 Flash 1M verify"] = (_v4_indexer_case("bfloat16", 262144, sq=4), every)
+    cases["v4attn indexer float32 Flash 1M"] = (_v4_indexer_case("float32", 262144), every)   # several tiles a program
+    cases["v4attn bfloat16 Pro CSA verify"] = (_v4_attention_case("bfloat16", 128, 16384, 1024, sq=4), every)
     for fmt in ("int4", "fp8"):
         for dt, m in DECODE_SHAPES:
             archs = every if fmt == "fp8" or m == 1 else FULL + (80,)
@@ -243,6 +291,11 @@ def _cases() -> dict:
             archs = every if fmt in ("fp8", "int4") and group == 128 else FULL
             cases[f"grouped {f} {dt}"] = (_moe_case(dt, fmt, group, 64, "fused_moe_grouped"), archs)
     cases["grouped int4-g128 float16"] = (_moe_case("float16", "int4", 128, 64, "fused_moe_grouped"), every)
+    # DeepSeek-V4-Flash's mxfp4 experts, clamped: decode and the grouped prefill kernels on every architecture
+    for dt, m in DECODE_SHAPES:
+        cases[f"moe mxfp4-V4 {dt} M={m}"] = (_moe_case(dt, "mxfp4", 32, m, model=V4), every)
+    for dt in DTYPES:
+        cases[f"grouped mxfp4-V4 {dt}"] = (_moe_case(dt, "mxfp4", 32, 64, "fused_moe_grouped", model=V4), every)
     # what the GPU suite's sweep times on the H200: each candidate at batch 1, bf16, int4 (the sweep's format); a
     # winner copied into tuning.DEFAULTS is then compiled for every architecture by the cases above
     from .kernels import tuning

@@ -18,7 +18,9 @@ are quant_matmul.py's `_k_loop` (at batch 1 the next tile is read before the cur
 configurations kernels/tuning.py's. Prefill (more tokens) takes the grouped kernels (`fused_moe_grouped`, below).
 Experts with slot -1 (not resident) are skipped, or take their outputs from `external_out` (computed
 elsewhere, e.g. on the CPU) so that they still join the sum in its place in the order.
-Formats int4 / int4g32 / fp8 / bf16 (nf4 stays on bitsandbytes: fused_moe_auto runs the twin for it).
+Formats int4 / int4g32 / mxfp4 / fp8 / bf16 (nf4 stays on bitsandbytes: fused_moe_auto runs the twin for it).
+`limit` (DeepSeek-V4's swiglu_limit) clamps the SwiGLU where the gate+up kernels apply it:
+silu(min(g, limit)) * clamp(u, -limit, limit), as quant.layout.swiglu_act.
 """
 from __future__ import annotations
 
@@ -87,6 +89,15 @@ def _owner(ids_ptr, stride_im, pair, M, TOP_K: tl.constexpr, BLOCK_M: tl.constex
 
 
 @_jit
+def _swiglu(gate, up, LIMIT: tl.constexpr):
+    # silu(gate) * up in fp32; LIMIT > 0 (DeepSeek-V4's swiglu_limit): silu(min(gate, L)) * clamp(up, -L, L)
+    if LIMIT > 0:
+        gate = tl.where(gate > LIMIT, LIMIT, gate)
+        up = tl.where(up > LIMIT, LIMIT, tl.where(up < -LIMIT, -LIMIT, up))
+    return gate * tl.sigmoid(gate) * up
+
+
+@_jit
 def _moe_gate_up_kernel(
     x_ptr, ids_ptr, slot_ptr, wpool_ptr, spool_ptr, h_ptr,
     M, D, I, n_tiles,
@@ -97,6 +108,7 @@ def _moe_gate_up_kernel(
     TOP_K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_KE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     e, owner, rows, has, kidx = _owner(ids_ptr, stride_im, tl.program_id(0), M, TOP_K, BLOCK_M, BLOCK_KE)
     slot = tl.load(slot_ptr + e, mask=owner, other=-1)
@@ -116,7 +128,7 @@ def _moe_gate_up_kernel(
                                  x_ptr, x_off, has, D, wbase + up_w, offs_n * stride_wn, sbase + up_s,
                                  sbase + up_z, s_off, n_ok, FMT, GROUP, BLOCK_K, USE_DOT, UPCAST, PRECISION,
                                  PREFETCH), USE_DOT)
-        h = gate * tl.sigmoid(gate) * up
+        h = _swiglu(gate, up, LIMIT)
         h_ptrs = h_ptr + ((rows * TOP_K + kidx) * I)[:, None] + offs_n[None, :]
         tl.store(h_ptrs, _cast(h, h_ptr.dtype.element_ty, UPCAST), mask=has[:, None] & n_ok[None, :])
 
@@ -217,14 +229,16 @@ def _pool_views(pool: torch.Tensor, layout: BlobLayout, fmt: int):
 
 def fused_moe(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, slot_of_expert: torch.Tensor,
               pool: torch.Tensor, layout: BlobLayout, external_out: torch.Tensor | None = None, *,
-              use_dot: bool | None = None, block_d: int | None = None, **knobs) -> torch.Tensor:
+              limit: float | None = None, use_dot: bool | None = None, block_d: int | None = None,
+              **knobs) -> torch.Tensor:
     """Routed-expert outputs of one MoE layer from packed blobs in the slot pool, with the Triton kernels.
 
     x [M, D]; expert_ids [M, K] int32/int64, distinct within a row (top-k), in any order (the sum runs in
     ascending expert id), each < E;
     weights [M, K] float32 routing weights; slot_of_expert int32 [E]: the pool row of each expert of this
     layer, -1 when not resident (skipped, or taken from `external_out` [M, K, D] in x.dtype when given);
-    pool uint8 [n_slots, layout.blob_bytes] (rows contiguous); layout: int4, int4g32, fp8 or bf16.
+    pool uint8 [n_slots, layout.blob_bytes] (rows contiguous); layout: int4, int4g32, mxfp4, fp8 or bf16;
+    limit: the SwiGLU clamp (quant.layout.swiglu_act), None for none.
     Returns y [M, D] in x.dtype: sum_k weights * expert(x), accumulated in fp32 in ascending expert id.
     Nothing is read from slots that no selected expert maps to. Tuning knobs (None or absent: kernels/tuning.py's
     "moe_gate_up" and "moe_down"): use_dot (tensor cores; 16-token blocks), block_n / block_d (I / D width of a
@@ -265,7 +279,7 @@ def fused_moe(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, 
         *strides["gate"],
         TOP_K=top_k, FMT=fmt, GROUP=group, BLOCK_M=bm, BLOCK_KE=block_ke, BLOCK_N=bn, BLOCK_K=bk,
         USE_DOT=cfg["use_dot"], UPCAST=upcast, PRECISION=precision, PREFETCH=cfg["prefetch"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        LIMIT=_limit(limit), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     cfg = launch_config("moe_down", m, x.dtype, use_dot, **dict(knobs, block_n=block_d))
     bm, bd, bk = plan_blocks(fmt, m, d, inter, group, cfg["use_dot"], cfg["block_n"], cfg["block_k"])
@@ -304,6 +318,12 @@ def _kernel_format(layout: BlobLayout, device: torch.device) -> int:
     return fp8_code(device) if fmt == FMT_FP8 else fmt
 
 
+def _limit(limit: float | None) -> float:
+    """The kernels' LIMIT constexpr: the SwiGLU clamp, 0.0 for none."""
+    assert limit is None or limit > 0, f"the SwiGLU limit must be positive, got {limit}"
+    return 0.0 if limit is None else float(limit)
+
+
 def _group(layout: BlobLayout, fmt: int) -> int:
     return layout.group_size if fmt in GROUPED else (128 if fmt in (FMT_FP8, FMT_FP8_BYTES) else 0)
 
@@ -336,7 +356,7 @@ def _grouped_gate_up_kernel(
     wslot, sslot, gate_w, gate_s, gate_z, up_w, up_s, up_z, stride_wn, stride_sn,
     TOP_K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr, LIMIT: tl.constexpr,
 ):
     # h[r] = silu(gate_e x[token]) * up_e x[token] for the sorted pairs r of the tile (x.dtype, rows of h [P, I])
     e, r, r_ok, pair = _tile_rows(tiles_ptr, order_ptr, BLOCK_M)
@@ -354,7 +374,7 @@ def _grouped_gate_up_kernel(
         up = _k_loop(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), 0, n_tiles, x_ptr, x_off, r_ok, D,
                      wbase + up_w, offs_n * stride_wn, sbase + up_s, sbase + up_z, s_off, n_ok,
                      FMT, GROUP, BLOCK_K, True, UPCAST, PRECISION, PREFETCH)
-        h = gate * tl.sigmoid(gate) * up
+        h = _swiglu(gate, up, LIMIT)
         tl.store(h_ptr + (r * I)[:, None] + offs_n[None, :], _cast(h, h_ptr.dtype.element_ty, UPCAST),
                  mask=r_ok[:, None] & n_ok[None, :])
 
@@ -411,7 +431,8 @@ def _tile_map(flat_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[tor
 
 
 def fused_moe_grouped(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, slot_of_expert: torch.Tensor,
-                      pool: torch.Tensor, layout: BlobLayout, **knobs) -> torch.Tensor:
+                      pool: torch.Tensor, layout: BlobLayout, *, limit: float | None = None,
+                      **knobs) -> torch.Tensor:
     """`fused_moe` for many tokens (prefill): the same arguments (no external outputs: experts without a slot are
     left out) and sum, computed expert-major on tensor cores (module comment above). Each pair's weighted output is
     rounded to x.dtype and a token's are added in ascending expert id in x.dtype, as `fused_moe_ref` adds them.
@@ -427,7 +448,8 @@ def fused_moe_grouped(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.
     chunk = max(1, GROUPED_WORKSPACE_BYTES // per_token)
     if m > chunk:
         return torch.cat([fused_moe_grouped(x[i:i + chunk], expert_ids[i:i + chunk], weights[i:i + chunk],
-                                            slot_of_expert, pool, layout, **knobs) for i in range(0, m, chunk)])
+                                            slot_of_expert, pool, layout, limit=limit, **knobs)
+                          for i in range(0, m, chunk)])
     y = torch.zeros_like(x)
     if m == 0:
         return y
@@ -451,7 +473,7 @@ def fused_moe_grouped(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.
         x, order, tiles, slot_of_expert, wview, sview, h,
         d, inter, num_tiles(fmt, d, group, bk), x.stride(0),
         wslot, sslot, off["gate.w"], off["gate.s"], off["gate.z"], off["up.w"], off["up.s"], off["up.z"],
-        *strides["gate"], BLOCK_N=bn, BLOCK_K=bk, **launch)
+        *strides["gate"], BLOCK_N=bn, BLOCK_K=bk, LIMIT=_limit(limit), **launch)
     _, bd, bk = plan_blocks(fmt, 16, d, inter, group, True, cfg["block_n"], cfg["block_k"])
     _grouped_down_kernel[(tiles.shape[0], triton.cdiv(d, bd))](
         h, order, tiles, weights.reshape(-1).contiguous(), slot_of_expert, wview, sview, out,
@@ -467,20 +489,22 @@ def fused_moe_grouped(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.
     return y
 
 
-def fused_expert(x: torch.Tensor, slot: torch.Tensor, pool: torch.Tensor, layout: BlobLayout) -> torch.Tensor:
+def fused_expert(x: torch.Tensor, slot: torch.Tensor, pool: torch.Tensor, layout: BlobLayout,
+                 limit: float | None = None) -> torch.Tensor:
     """One expert, the blob in pool row slot[0] (int32 [1] on x's device), on every row of x [N, D] -> [N, D] in
     x.dtype, through the grouped kernels (its weights decoded in registers): the bits `fused_moe_grouped` gives
     that expert's rows, and what `format.expert_forward` computes by dequantizing it."""
     n = x.shape[0]
     return fused_moe_grouped(x, torch.zeros(n, 1, dtype=torch.int32, device=x.device),
-                             torch.ones(n, 1, dtype=torch.float32, device=x.device), slot, pool, layout)
+                             torch.ones(n, 1, dtype=torch.float32, device=x.device), slot, pool, layout, limit=limit)
 
 
 def fused_moe_grouped_ref(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                          slot_of_expert: torch.Tensor, pool: torch.Tensor, layout: BlobLayout) -> torch.Tensor:
+                          slot_of_expert: torch.Tensor, pool: torch.Tensor, layout: BlobLayout, *,
+                          limit: float | None = None) -> torch.Tensor:
     """The twin of `fused_moe_grouped`: `fused_moe_ref` (each expert's weighted output rounded to x.dtype, added in
     ascending expert id), which dequantizes one expert at a time."""
-    return fused_moe_ref(x, expert_ids, weights, slot_of_expert, pool, layout)
+    return fused_moe_ref(x, expert_ids, weights, slot_of_expert, pool, layout, limit=limit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -489,7 +513,8 @@ def fused_moe_grouped_ref(x: torch.Tensor, expert_ids: torch.Tensor, weights: to
 # ----------------------------------------------------------------------------------------------
 
 def fused_moe_ref(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, slot_of_expert: torch.Tensor,
-                  pool: torch.Tensor, layout: BlobLayout, external_out: torch.Tensor | None = None) -> torch.Tensor:
+                  pool: torch.Tensor, layout: BlobLayout, external_out: torch.Tensor | None = None, *,
+                  limit: float | None = None) -> torch.Tensor:
     """The twin of `fused_moe` (same arguments), for every format, nf4 included (via the format's own forward).
 
     Each expert's weighted output is rounded to x.dtype and added in ascending expert id (`combine_experts`).
@@ -505,7 +530,7 @@ def fused_moe_ref(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tens
 
     def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
         if slots[e] >= 0:
-            return fmt.expert_forward(pool[slots[e]], xs, layout).to(xs.dtype)
+            return fmt.expert_forward(pool[slots[e]], xs, layout, limit).to(xs.dtype)
         if external_out is None:
             return torch.zeros_like(xs)           # adds +-0: the same as leaving the expert out
         pairs = [i for i, v in enumerate(flat) if v == e]   # combine_experts' row order: ascending (token, k)
@@ -515,8 +540,9 @@ def fused_moe_ref(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tens
 
 
 def fused_moe_auto(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, slot_of_expert: torch.Tensor,
-                   pool: torch.Tensor, layout: BlobLayout, external_out: torch.Tensor | None = None) -> torch.Tensor:
+                   pool: torch.Tensor, layout: BlobLayout, external_out: torch.Tensor | None = None, *,
+                   limit: float | None = None) -> torch.Tensor:
     """`fused_moe` where kernels run (dispatch.use_kernels) and the format has one, else `fused_moe_ref`."""
     if layout.format in FMT_CODES and dispatch.use_kernels(x.device):
-        return fused_moe(x, expert_ids, weights, slot_of_expert, pool, layout, external_out)
-    return fused_moe_ref(x, expert_ids, weights, slot_of_expert, pool, layout, external_out)
+        return fused_moe(x, expert_ids, weights, slot_of_expert, pool, layout, external_out, limit=limit)
+    return fused_moe_ref(x, expert_ids, weights, slot_of_expert, pool, layout, external_out, limit=limit)

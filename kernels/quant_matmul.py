@@ -23,11 +23,11 @@ from ..quant.table import FORMAT_TABLE, TRITON_FP8_BYTES
 # bytes and decoded with bit arithmetic, for GPUs whose Triton has no fp8e4nv type (compute capability below 8.9)
 FMT_CODES = {name: entry.triton for name, entry in FORMAT_TABLE.items() if entry.triton is not None}
 FMT_INT4, FMT_FP8, FMT_BF16, FMT_FP8_BYTES = FMT_CODES["int4"], FMT_CODES["fp8"], FMT_CODES["bf16"], TRITON_FP8_BYTES
-FMT_INT4G32 = FMT_CODES["int4g32"]
+FMT_INT4G32, FMT_MXFP4 = FMT_CODES["int4g32"], FMT_CODES["mxfp4"]
 # the kernels' constexpr branches below are written as these literals (Triton reads no Python globals there)
-assert (FMT_INT4, FMT_FP8, FMT_BF16, FMT_FP8_BYTES, FMT_INT4G32) == (0, 1, 2, 3, 4), \
+assert (FMT_INT4, FMT_FP8, FMT_BF16, FMT_FP8_BYTES, FMT_INT4G32, FMT_MXFP4) == (0, 1, 2, 3, 4, 5), \
     "quant/table.py's Triton codes changed"
-GROUPED = (FMT_INT4, FMT_INT4G32)        # formats read a group of K at a time (K tiles: whole groups)
+GROUPED = (FMT_INT4, FMT_INT4G32, FMT_MXFP4)   # formats read a group of K at a time (K tiles: whole groups)
 FP8_NATIVE_CAPABILITY = (8, 9)          # Triton's fp8e4nv type: Ada, Hopper and later
 
 
@@ -61,7 +61,9 @@ _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # a tile is BLOCK_K/2 consecutive bytes of the row (part of a group, or several), so x is read as two vectors (the
 # low and the high elements of those bytes), with the scale and zero of each byte's group. int4g32 (quant/int4g32.py)
 # is read the same way with g = 32, its byte c holding elements 2c and 2c + 1 (x read as its even and odd elements),
-# one bf16 scale per group and no zero. fp8: BLOCK_K divides 128, so a tile sits in one column of the scale grid:
+# one bf16 scale per group and no zero. mxfp4 (quant/mxfp4.py) packs its e2m1 codes as int4g32 does, with one ue8m0
+# exponent byte per group of 32: code and scale are decoded to fp32 by bit arithmetic (`_e2m1_to_f32`,
+# `_ue8m0_to_f32`), their product exact. fp8: BLOCK_K divides 128, so a tile sits in one column of the scale grid:
 # one scale per row per tile.
 # `_load_tile` reads a tile, `_tile_product` multiplies it in. With PREFETCH the loop reads tile it + 1 before it
 # multiplies tile it (a register double buffer): at batch 1 the multiply-adds no longer wait for the loads they
@@ -105,11 +107,28 @@ def _e4m3_to_f32(q):
 
 
 @_jit
+def _e2m1_to_f32(c):
+    # e2m1 codes (0..15, int32) -> fp32 from the bits s e1 e0 m: (-1)^s m/2 if e = 0, else (-1)^s 2^(e-1) (1 + m/2)
+    e = (c >> 1) & 3
+    m = c & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))      # 0x3F000000: 0.5
+    v = bits.to(tl.float32, bitcast=True)
+    return tl.where((c & 8) != 0, -v, v)
+
+
+@_jit
+def _ue8m0_to_f32(b):
+    # ue8m0 exponent bytes (int32) -> fp32 2^(b - 127): b = 0 is the subnormal 2^-127, 0xFF NaN
+    bits = tl.where(b == 0, 0x00400000, b << 23)
+    return tl.where(b == 255, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@_jit
 def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
                USE_DOT: tl.constexpr):
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    elif FMT == 0 or FMT == 4:
+    elif FMT == 0 or FMT == 4 or FMT == 5:
         acc = tl.zeros([BLOCK_M, BLOCK_K // 2, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
@@ -131,11 +150,11 @@ def _load_tile(it, live, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, z_ptr, s
     # x_off [BLOCK_M]: element offsets of x's rows from x_ptr (valid where x_ok); k_in: valid input features.
     # w_off [BLOCK_N]: offsets of the weight's rows from w_ptr (int4: of the packed byte rows); s_off [BLOCK_N]:
     # offsets of the rows' scales (int4: and zeros, from z_ptr) from s_ptr, for fp8 those of row n // 128 of the
-    # scale grid. n_ok [BLOCK_N]. int4 / int4g32: xa / xb the low / high elements of the tile's bytes,
-    # q [BLOCK_K/2, BLOCK_N] bytes, s / z [1 or BLOCK_K/2, BLOCK_N] (int4g32: z unused); fp8 / bf16:
+    # scale grid. n_ok [BLOCK_N]. int4 / int4g32 / mxfp4: xa / xb the low / high elements of the tile's bytes,
+    # q [BLOCK_K/2, BLOCK_N] bytes, s / z [1 or BLOCK_K/2, BLOCK_N] fp32 (int4g32, mxfp4: z unused); fp8 / bf16:
     # xa [BLOCK_M, BLOCK_K], q [BLOCK_K, BLOCK_N], s the fp8 scale [1, BLOCK_N] (xb, z: unused).
     w_ok = tl.where(live, n_ok, False)      # (not n_ok & live: the interpreter makes that int32)
-    if FMT == 0 or FMT == 4:   # int4, int4g32
+    if FMT == 0 or FMT == 4 or FMT == 5:   # int4, int4g32, mxfp4
         HALF: tl.constexpr = GROUP // 2
         c = it * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)          # byte columns of the packed rows
         n_groups = tl.cdiv(k_in, GROUP)
@@ -144,11 +163,11 @@ def _load_tile(it, live, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, z_ptr, s
         # a group past the last (K short of the tile) reads the last group's scale: finite, met by x = 0
         if BLOCK_K <= GROUP:   # the tile is in one group: one scale (and zero) per row
             s_at = s_off + tl.minimum((it * (BLOCK_K // 2)) // HALF, n_groups - 1)
-            s = tl.load(s_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)[None, :]
+            s = _group_scale(tl.load(s_ptr + s_at, mask=w_ok, other=0), FMT)[None, :]
             z = tl.load(z_ptr + s_at, mask=w_ok, other=0.0).to(tl.float32)[None, :] if FMT == 0 else s
         else:
             s_at = s_off[None, :] + tl.minimum(c // HALF, n_groups - 1)[:, None]
-            s = tl.load(s_ptr + s_at, mask=w_ok[None, :], other=0.0).to(tl.float32)
+            s = _group_scale(tl.load(s_ptr + s_at, mask=w_ok[None, :], other=0), FMT)
             z = tl.load(z_ptr + s_at, mask=w_ok[None, :], other=0.0).to(tl.float32) if FMT == 0 else s
         # padded k (>= k_in) must meet x = 0: the padding codes dequantize to about zero, not zero
         if FMT == 0:   # byte b of a group: elements b and b + g/2
@@ -157,7 +176,7 @@ def _load_tile(it, live, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, z_ptr, s
                          other=0.0)
             xb = tl.load(x_ptr + (x_off[:, None] + (k_lo + HALF)[None, :]),
                          mask=x_ok[:, None] & (k_lo + HALF < k_in)[None, :], other=0.0)
-        else:          # int4g32: byte c of the row, elements 2c and 2c + 1: x read whole, split into even and odd
+        else:          # int4g32, mxfp4: byte c of the row holds elements 2c and 2c + 1: x read whole, split in two
             k = it * BLOCK_K + tl.arange(0, BLOCK_K)       # (two strided reads of x cost ~40 registers more)
             xk = tl.load(x_ptr + (x_off[:, None] + k[None, :]), mask=x_ok[:, None] & (k < k_in)[None, :], other=0.0)
             xa, xb = tl.split(tl.reshape(xk, [xk.shape[0], BLOCK_K // 2, 2]))
@@ -176,12 +195,22 @@ def _load_tile(it, live, x_ptr, x_off, x_ok, k_in, w_ptr, w_off, s_ptr, z_ptr, s
 
 
 @_jit
+def _group_scale(raw, FMT: tl.constexpr):
+    # a group's scale as loaded (fp16 / bf16, or mxfp4's ue8m0 byte) -> fp32
+    if FMT == 5:
+        s = _ue8m0_to_f32(raw.to(tl.int32))
+    else:
+        s = raw.to(tl.float32)
+    return s
+
+
+@_jit
 def _tile_product(acc, xa, xb, q, s, z, FMT: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
                   PRECISION: tl.constexpr):
     # acc += the tile's products. Weights are rounded to x's dtype, as the formats dequantize. UPCAST (interpreter,
     # whose bf16 tl.dot is wrong): fp32 operands holding those values; the interpreter truncates fp32 -> bf16, so
     # there the bf16 rounding is done on the bits (to nearest even) first.
-    if FMT == 0 or FMT == 4:
+    if FMT == 0 or FMT == 4 or FMT == 5:
         if FMT == 0:   # int4: (q - z) * s
             w_lo = ((q & 0xF).to(tl.float32) - z) * s
             w_hi = ((q >> 4).to(tl.float32) - z) * s
@@ -189,6 +218,10 @@ def _tile_product(acc, xa, xb, q, s, z, FMT: tl.constexpr, USE_DOT: tl.constexpr
                 if xa.dtype == tl.bfloat16:
                     w_lo = _round_bf16(w_lo)
                     w_hi = _round_bf16(w_hi)
+        elif FMT == 5:   # mxfp4: e2m1 * 2^(s - 127), exact in fp32 and bf16; then the compute dtype, as the format
+            qi = q.to(tl.int32)
+            w_lo = _e2m1_to_f32(qi & 0xF) * s
+            w_hi = _e2m1_to_f32(qi >> 4) * s
         else:          # int4g32: bf16((q - 8) * s), the format's one rounding (stored nibble = q + 8)
             w_lo = _cast(((q & 0xF).to(tl.float32) - 8.0) * s, tl.bfloat16, UPCAST)
             w_hi = _cast(((q >> 4).to(tl.float32) - 8.0) * s, tl.bfloat16, UPCAST)

@@ -7,7 +7,7 @@ padding; released checkpoints need none):
   w[n, k] = E2M1[code] * 2^(scales[n, k // 32] - 127), exact in bf16.
 A released checkpoint's bytes are repacked into blobs verbatim (`pack_prequantized`), never re-quantized;
 `pack` quantizes float weights (V4 Base's FP8 experts, tests). The CPU kernel reads the nibbles and scales
-(kernels/cpu_experts.py); GPUs dequantize per expert.
+(kernels/cpu_experts.py); on GPUs the fused Triton MoE kernels decode them in registers (kernels/quant_matmul.py).
 """
 from __future__ import annotations
 
@@ -92,7 +92,6 @@ class Mxfp4Format(ExpertFormat):
     """Per matrix: `codes` uint8 [N, Kp/2] and `scales` uint8 [N, Kp/32] (the released bytes)."""
     name = "mxfp4"
     group_size = BLOCK
-    fused_kernel = False               # no Triton kernel reads it yet: GPUs dequantize it per expert
 
     def _parts(self, n: int, k: int):
         return [("codes", "uint8", (n, padded_k(k) // 2)), ("scales", "uint8", (n, padded_k(k) // BLOCK))]

@@ -32,7 +32,7 @@ FORMAT_TABLE: dict[str, FormatEntry] = {
     "int8": FormatEntry("int8", "Int8Format", cpu=3, parts=("weight", "scale", None), weight_dtype="int8",
                         scale_dtype="float32"),
     "nf4": FormatEntry("nf4", "Nf4Format"),
-    "mxfp4": FormatEntry("mxfp4", "Mxfp4Format", cpu=5, parts=("codes", "scales", None), scale_dtype="uint8"),
+    "mxfp4": FormatEntry("mxfp4", "Mxfp4Format", triton=5, cpu=5, parts=("codes", "scales", None), scale_dtype="uint8"),
     "int4g32": FormatEntry("int4g32", "Int4G32Format", triton=4, cpu=6, parts=("qweight", "scales", None),
                            scale_dtype="bfloat16"),
 }

@@ -1,7 +1,7 @@
 """Every Triton launcher compiled for sm_80, sm_86, sm_89 and sm_90 through its real launch path, with the blocks,
 warps, stages and fp8 decode it picks for that GPU (dsv3lite/testing_gpu.py): shared memory within the
 architecture's limit (Triton checks it at launch, as on the device), no register spills (no stack frame or local
-memory in the binary), at DeepSeek-V3 / Kimi-K2 sizes, for every dtype the CLI accepts on CUDA.
+memory in the binary), at DeepSeek-V3 / Kimi-K2 / DeepSeek-V4 sizes, for every dtype the CLI accepts on CUDA.
 
 One compile run per session, two processes (sm_90 + sm_89, sm_86 + sm_80); compiled kernels stay in Triton's cache,
 so a second run takes seconds. A GPU runs the kernels themselves (the other kernel tests), so these skip there.
@@ -17,7 +17,7 @@ from dsv3lite import testing_gpu as tg
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests launch the kernels")
 pytest.importorskip("triton.backends.nvidia")
-FAMILIES = ("mla", "gemv", "moe", "grouped", "sweep")
+FAMILIES = ("mla", "v4attn", "gemv", "moe", "grouped", "sweep")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_launches_fit_the_gpu(compiled, arch, family):
 def test_every_dtype_and_launcher_is_compiled_on_every_gpu():
     for arch in tg.ARCHS:
         names = tg.launcher_cases(arch)
-        for family in ("mla", "gemv", "moe", "grouped"):
+        for family in ("mla", "v4attn", "gemv", "moe", "grouped"):
             for dtype in tg.DTYPES:
                 assert any(n.startswith(family + " ") and f" {dtype}" in n for n in names), (arch, family, dtype)
 

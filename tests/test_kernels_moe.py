@@ -1,5 +1,6 @@
 """fused_moe: the two-launch Triton MoE kernel against its twin, and the twin against `combine_experts` over
-`BlobExperts` (the resident provider), for int4 / int4g32 / fp8 / bf16 blobs in a slot pool.
+`BlobExperts` (the resident provider), for int4 / int4g32 / mxfp4 / fp8 / bf16 blobs in a slot pool, with and
+without DeepSeek-V4's SwiGLU clamp.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (tests/conftest.py turns it on). Unused
 pool slots hold 0xFF bytes, NaN in every float view of the pool, so reading one shows up as NaN output.
@@ -46,6 +47,7 @@ def one_cpu_thread():
 # output to x.dtype and adds in x.dtype, so 16-bit outputs differ by a few units in the last place.
 TOLERANCES = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 N_EXPERTS, HIDDEN, INTER = 12, 72, 40
+LIMIT = 0.5         # a SwiGLU clamp the tests' gate and up values cross (DeepSeek-V4's is 10)
 # One program per I / D extent: the interpreter pays per program and per tile. Tests marked "default
 # blocks" run the GPU's tiling (several blocks and tiles, masked edges).
 WIDE = dict(block_n=64, block_d=128, block_k=128)
@@ -111,13 +113,14 @@ def routing(m, k, dtype=torch.float32, seed=0, n_experts=N_EXPERTS):
 # --- the twin against the resident provider ------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name,group", [("int4", 32), ("int4", 128), ("fp8", 128), ("bf16", 128), ("int4g32", 32)])
-def test_twin_is_combine_experts_over_blob_experts(name, group, dtype):
+@pytest.mark.parametrize("name,group,limit", [("int4", 32, None), ("int4", 128, None), ("fp8", 128, None),
+                                              ("bf16", 128, None), ("int4g32", 32, None), ("mxfp4", 32, LIMIT)])
+def test_twin_is_combine_experts_over_blob_experts(name, group, limit, dtype):
     ex = experts(name, group)
     slot_of_expert, pool = ex.scattered_pool()
     x, ids, weights = routing(5, 4, dtype)
-    want = ex.resident()(x, ids, weights)
-    got = fm.fused_moe_ref(x, ids, weights, slot_of_expert, pool, ex.layout)
+    want = BlobExperts(ex.blobs, ex.fmt, ex.layout, limit=limit)(x, ids, weights)
+    got = fm.fused_moe_ref(x, ids, weights, slot_of_expert, pool, ex.layout, limit=limit)
     assert torch.equal(got, want), f"max abs diff {(got.float() - want.float()).abs().max().item():.3g}"
 
 
@@ -129,6 +132,7 @@ def test_twin_is_combine_experts_over_blob_experts(name, group, dtype):
     ("fp8", 128, 1, 4, "wide"), ("fp8", 128, 2, 4, "wide"), ("fp8", 128, 16, 4, "wide"),
     ("bf16", 128, 1, 4, "wide"), ("bf16", 128, 5, 2, "default"),
     ("int4g32", 32, 1, 4, "default"), ("int4g32", 32, 2, 4, "wide"), ("int4g32", 32, 5, 2, "wide"),
+    ("mxfp4", 32, 1, 4, "default"), ("mxfp4", 32, 2, 4, "wide"), ("mxfp4", 32, 5, 2, "wide"),
 ])
 def test_kernel_matches_twin(name, group, m, k, blocks):
     ex = experts(name, group)
@@ -141,9 +145,9 @@ def test_kernel_matches_twin(name, group, m, k, blocks):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", ["int4", "fp8", "int4g32"])
+@pytest.mark.parametrize("name", ["int4", "fp8", "int4g32", "mxfp4"])
 def test_kernel_half_dtypes(name, dtype):
-    ex = experts(name, {"int4": 64, "int4g32": 32}.get(name, 128))
+    ex = experts(name, {"int4": 64, "int4g32": 32, "mxfp4": 32}.get(name, 128))
     slot_of_expert, pool = ex.scattered_pool()
     x, ids, weights = routing(2, 4, dtype)
     got = fm.fused_moe(x, ids, weights, slot_of_expert, pool, ex.layout, **WIDE)
@@ -275,7 +279,7 @@ def test_auto_sends_nf4_to_the_twin(monkeypatch):
     x, ids, weights = routing(2, 4)
     slots = torch.arange(N_EXPERTS, dtype=torch.int32, device=DEVICE)
     pool = torch.zeros(N_EXPERTS, layout.blob_bytes, dtype=torch.uint8, device=DEVICE)
-    monkeypatch.setattr(fm, "fused_moe_ref", lambda *args: "twin")
+    monkeypatch.setattr(fm, "fused_moe_ref", lambda *args, **kwargs: "twin")
     monkeypatch.setenv("DSV3LITE_KERNELS", "triton")
     assert fm.fused_moe_auto(x, ids, weights, slots, pool, layout) == "twin"
 
@@ -299,6 +303,7 @@ def test_fp8_byte_decode_matches_twin(monkeypatch, m, dtype):
     ("int4", 32, torch.float32), ("int4", 128, torch.float16), ("int4", 128, torch.bfloat16),
     ("fp8", 128, torch.float32), ("fp8", 128, torch.bfloat16), ("bf16", 128, torch.float16),
     ("int4g32", 32, torch.float32), ("int4g32", 32, torch.float16), ("int4g32", 32, torch.bfloat16),
+    ("mxfp4", 32, torch.float32), ("mxfp4", 32, torch.float16), ("mxfp4", 32, torch.bfloat16),
 ])
 def test_grouped_matches_twin(name, group, dtype):
     # 40 tokens x 4 of 12 experts in tiles of 16 pairs: experts whose pairs fill several tiles, and part of one
@@ -437,3 +442,77 @@ def test_tuning_file_overrides_the_defaults(monkeypatch, tmp_path):
             tuning.config("moe_down", "rows")
     finally:
         tuning._overrides.cache_clear()
+
+
+# --- DeepSeek-V4's routed experts: mxfp4 blobs and the SwiGLU clamp through the fused kernels ------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,k,use_dot", [(1, 4, False), (2, 4, False), (5, 2, True)])
+def test_clamped_mxfp4_decode_matches_twin(m, k, use_dot, dtype):
+    ex = experts("mxfp4", 32)
+    slot_of_expert, pool = ex.scattered_pool(seed=m)
+    x, ids, weights = routing(m, k, dtype, seed=m)
+    x = x * 4                                   # gate and up values well past the clamp
+    want = fm.fused_moe_ref(x, ids, weights, slot_of_expert, pool, ex.layout, limit=LIMIT)
+    unclamped = fm.fused_moe_ref(x, ids, weights, slot_of_expert, pool, ex.layout)
+    assert (want.float() - unclamped.float()).abs().max() > 0.1       # the clamp changes the result here
+    got = fm.fused_moe(x, ids, weights, slot_of_expert, pool, ex.layout, limit=LIMIT, use_dot=use_dot, **WIDE)
+    assert_close(f"mxfp4 limit M={m} {dtype}", got, want, TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_mxfp4_grouped_matches_twin(dtype):
+    ex = experts("mxfp4", 32)
+    slot_of_expert, pool = ex.scattered_pool(seed=3)
+    x, ids, weights = routing(24, 4, dtype, seed=3)
+    x = x * 4
+    got = fm.fused_moe_grouped(x, ids, weights, slot_of_expert, pool, ex.layout, limit=LIMIT, block_m=16)
+    want = fm.fused_moe_grouped_ref(x, ids, weights, slot_of_expert, pool, ex.layout, limit=LIMIT)
+    assert_close(f"grouped mxfp4 limit {dtype}", got, want, TOLERANCES[dtype])
+
+
+def test_mxfp4_decode_reads_every_code_and_scale():
+    """Each of the 16 e2m1 codes under scales from 2^-10 to 2^10 (and a NaN scale in an unused slot's bytes): an
+    expert whose gate and up are identity-like rows of those codes, through the kernel against the twin."""
+    from dsv3lite.quant.mxfp4 import Mxfp4Format
+
+    fmt = Mxfp4Format()
+    layout = fmt.layout(32, 64)
+    gen = torch.Generator().manual_seed(11)
+    parts = []
+    for n, k in ((32, 64), (32, 64), (64, 32)):
+        codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+        codes[0, :8] = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE], dtype=torch.uint8)
+        scales = torch.randint(117, 138, (n, k // 32), generator=gen, dtype=torch.uint8)
+        parts += [codes, scales]
+    blob = fmt.pack_prequantized(*parts)
+    pool = torch.full((3, layout.blob_bytes), 0xFF, dtype=torch.uint8, device=DEVICE)
+    pool[1] = blob.to(DEVICE)
+    slot_of_expert = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(2, 64, generator=gen).to(DEVICE) * 0.01
+    ids = torch.zeros(2, 1, dtype=torch.int64, device=DEVICE)
+    weights = torch.ones(2, 1, device=DEVICE)
+    got = fm.fused_moe(x, ids, weights, slot_of_expert, pool, layout, limit=10.0)
+    want = fm.fused_moe_ref(x, ids, weights, slot_of_expert, pool, layout, limit=10.0)
+    assert_close("mxfp4 codes", got, want, TOLERANCES[torch.float32])
+
+
+def test_v4_blob_experts_take_the_fused_kernel_with_their_clamp(monkeypatch):
+    ex = experts("mxfp4", 32)
+    provider = BlobExperts(ex.blobs, ex.fmt, ex.layout, limit=LIMIT)
+    monkeypatch.setattr(dispatch, "use_kernels", lambda device: True)
+    calls = []
+    real = fm.fused_moe
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("limit"))
+        return real(*args, **kwargs)
+    import dsv3lite.experts as experts_module
+    monkeypatch.setattr(experts_module, "fused_moe", spy)
+    x, ids, weights = routing(2, 4, seed=5)
+    x = x * 4
+    got = provider(x.to(DEVICE), ids, weights)
+    assert calls == [LIMIT] and provider.graph_safe(torch.device("cuda"))      # a CUDA graph may hold it
+    want = fm.fused_moe_ref(x, ids, weights, torch.arange(N_EXPERTS, dtype=torch.int32, device=DEVICE), ex.blobs,
+                            ex.layout, limit=LIMIT)
+    assert_close("BlobExperts mxfp4 limit", got, want, TOLERANCES[torch.float32])

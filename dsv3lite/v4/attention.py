@@ -15,6 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import dispatch
+from ..kernels.mla_decode import MAX_QUERIES
+from ..kernels.v4_attention import gather_rows, sink_attention, v4_decode_attention
+from ..kernels.v4_indexer import index_scores, index_scores_ref
 from ..model import Linear, rope_inv_freq
 from .cache import CompressorState, SlidingCache
 from .config import CSA, SLIDING, V4Args
@@ -144,25 +148,28 @@ class Indexer(nn.Module):
         self.compressor = Compressor(args.hidden_size, self.ratio, True, self.head_dim, args.rms_norm_eps)
 
     def select(self, a: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-               rotary: Rotary) -> torch.Tensor:
+               rotary: Rotary, start: int | None = None) -> torch.Tensor:
         """Entry ids [B, S, min(topk, N)] each query keeps among keys [B, N, head_dim]; -1 marks a pick the query
-        cannot see (fewer visible entries than picks). a [B, S, D], qr: the query latent [B, S, q_lora_rank]."""
+        cannot see (fewer visible entries than picks). a [B, S, D], qr: the query latent [B, S, q_lora_rank].
+        start (positions[0]): with it, a decode step's scores come from the Triton kernel where kernels run."""
         bsz, seqlen, _ = a.shape
         q = self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim)
-        q = apply_rope(q, *(t[:, None] for t in rotary.at(positions, q.dtype))).float()
+        q = apply_rope(q, *(t[:, None] for t in rotary.at(positions, q.dtype)))
         weights = self.weights_proj(a).float() * self.n_heads ** -0.5                # [B, S, H]
-        k = keys.float().transpose(1, 2)[:, None]                                  # [B, 1, dI, N]
         n = keys.shape[1]
         visible = (positions + 1) // self.ratio                                    # entries w < visible
-        block = max(1, SCORE_ELEMENTS // max(1, bsz * self.n_heads * n))
+        kernel = start is not None and seqlen <= MAX_QUERIES and keys.dtype == q.dtype and \
+            dispatch.use_kernels(q.device)
+        block = seqlen if kernel else max(1, SCORE_ELEMENTS // max(1, bsz * self.n_heads * n))
         picked = []
         for s0 in range(0, seqlen, block):
-            scores = torch.matmul(q[:, s0:s0 + block], k).relu_() * self.head_dim ** -0.5   # [B, s, H, N]
-            index = (scores * weights[:, s0:s0 + block, :, None]).sum(dim=2)               # [B, s, N]
-            limit = visible[s0:s0 + block, None]
-            future = torch.arange(n, device=a.device)[None, :] >= limit                      # [s, N]
-            top = index.masked_fill(future, float("-inf")).topk(min(self.topk, n), dim=-1).indices
-            picked.append(torch.where(top >= limit, -1, top))
+            if kernel:
+                index = index_scores(q, weights, keys, start, self.ratio)                      # [B, S, N]
+            else:
+                index = index_scores_ref(q[:, s0:s0 + block], weights[:, s0:s0 + block], keys,
+                                         positions[s0:s0 + block], self.ratio)
+            top = index.topk(min(self.topk, n), dim=-1).indices
+            picked.append(torch.where(top >= visible[s0:s0 + block, None], -1, top))
         return torch.cat(picked, dim=1)
 
 
@@ -203,20 +210,28 @@ class Attention(nn.Module):
         q = unweighted_rms(self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim), self.args.rms_norm_eps)
         q = apply_rope(q, cos[:, None], sin[:, None])
         kv = apply_rope(self.kv_norm(self.wkv(a)), cos, sin)                  # [B, S, hd]: key and value
-        keys, states = self._window_keys(kv, start, cache)
+        # decode through the Triton kernel where kernels run: it reads the window straight from the ring
+        kernel = cache is not None and seqlen <= MAX_QUERIES and cache.window.kv.dtype == q.dtype and \
+            dispatch.use_kernels(q.device)
+        keys, states = self._window_keys(kv, start, cache, gather=not kernel)
         entries = selected = None
         if self.compressor is not None:
             entries = self.compressor.update(a, start, states["compressor"], self.compress_rotary)
             if self.indexer is not None:
                 index_keys = self.indexer.compressor.update(a, start, states["indexer"], self.compress_rotary)
                 if entries.shape[1] > self.indexer.topk:   # else every visible entry is picked: the causal mask
-                    selected = self.indexer.select(a, qr, positions, index_keys, self.compress_rotary)
-        out = self._attend(q, start, positions, keys, entries, selected)        # [B, S, H, hd]
+                    selected = self.indexer.select(a, qr, positions, index_keys, self.compress_rotary, start)
+        if kernel:
+            out = v4_decode_attention(q, cache.window.kv, start, self.window, self.attn_sink, self.head_dim ** -0.5,
+                                      entries, None if selected is None else selected.to(torch.int32), self.ratio)
+        else:
+            out = self._attend(q, start, positions, keys, entries, selected)    # [B, S, H, hd]
         out = apply_rope(out, cos[:, None], -sin[:, None])                   # back to offsets p - j
         return self.wo_b(self._grouped_wo_a(out))
 
-    def _window_keys(self, kv: torch.Tensor, start: int, cache: SlidingCache | None):
-        """(the window's keys [B, n_prior + S, hd] for positions start - n_prior.., compressor states)."""
+    def _window_keys(self, kv: torch.Tensor, start: int, cache: SlidingCache | None, gather: bool = True):
+        """(the window's keys [B, n_prior + S, hd] for positions start - n_prior.. (None without `gather`: only
+        the ring is written), compressor states)."""
         seqlen = kv.shape[1]
         if cache is None:
             if start and self.compressor is not None:
@@ -232,9 +247,9 @@ class Attention(nn.Module):
             return kv, states
         cache.begin_write(start, seqlen)
         n_prior = min(start, self.window - 1)
-        prior = cache.window.read(start - n_prior, start).to(kv.dtype)
+        prior = cache.window.read(start - n_prior, start).to(kv.dtype) if gather else None
         cache.window.write(kv, start)
-        return torch.cat((prior, kv), dim=1), cache.compressors
+        return (torch.cat((prior, kv), dim=1) if gather else None), cache.compressors
 
     def _attend(self, q, start, positions, keys, entries, selected):
         """Softmax over (window keys, visible or selected entries) and the sink, per query; V = K. Queries go in
@@ -256,30 +271,15 @@ class Attention(nn.Module):
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
     def _attend_block(self, q, pos, keys, key_first, entries, selected):
-        scale = self.head_dim ** -0.5
         kpos = torch.arange(key_first, key_first + keys.shape[1], device=q.device)
         see = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)        # [s, Tw]
-        logits = [torch.einsum("bshd,btd->bsht", q, keys).float().mul_(scale)
-                  .masked_fill_(~see[None, :, None], float("-inf"))]
-        values = None
+        parts = [(keys, see[None])]
         if entries is not None and selected is None:
             visible = torch.arange(entries.shape[1], device=q.device)[None, :] < ((pos + 1) // self.ratio)[:, None]
-            logits.append(torch.einsum("bshd,bnd->bshn", q, entries).float().mul_(scale)
-                          .masked_fill_(~visible[None, :, None], float("-inf")))
+            parts.append((entries, visible[None]))
         elif entries is not None:
-            values = _gather_rows(entries, selected)                                               # [B, s, k, hd]
-            logits.append(torch.einsum("bshd,bskd->bshk", q, values).float().mul_(scale)
-                          .masked_fill_((selected < 0)[:, :, None], float("-inf")))
-        sink = self.attn_sink.float()[None, None, :, None].expand(q.shape[0], q.shape[1], -1, 1)
-        combined = torch.cat([*logits, sink], dim=-1)
-        probs = (combined - combined.amax(dim=-1, keepdim=True)).softmax(dim=-1).to(q.dtype)
-        tw = keys.shape[1]
-        out = torch.einsum("bsht,btd->bshd", probs[..., :tw], keys)
-        if entries is not None and selected is None:
-            out = out + torch.einsum("bshn,bnd->bshd", probs[..., tw:-1], entries)
-        elif entries is not None:
-            out = out + torch.einsum("bshk,bskd->bshd", probs[..., tw:-1], values)
-        return out
+            parts.append((gather_rows(entries, selected), selected >= 0))                     # [B, s, k, hd]
+        return sink_attention(q, self.attn_sink, self.head_dim ** -0.5, parts)
 
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         """o [B, S, H, hd] -> [B, S, G * o_lora_rank]: head group g (heads gH/G..) through its own [R, H/G * hd]."""
@@ -288,11 +288,4 @@ class Attention(nn.Module):
         x = o.reshape(bsz * seqlen, groups, -1).transpose(0, 1)                                # [G, N, in]
         w = self.wo_a.weight.view(groups, -1, x.shape[-1]).transpose(1, 2)                     # [G, in, R]
         return torch.bmm(x, w).transpose(0, 1).reshape(bsz, seqlen, -1)
-
-
-def _gather_rows(entries: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-    """entries [B, N, d], selected [B, s, k] (-1: none, read as row 0 and masked by the caller) -> [B, s, k, d]."""
-    bsz, s, k = selected.shape
-    idx = selected.clamp(min=0).reshape(bsz, s * k)
-    return torch.gather(entries, 1, idx[..., None].expand(-1, -1, entries.shape[-1])).view(bsz, s, k, -1)
 

@@ -1,0 +1,180 @@
+"""DeepSeek-V4 decode attention (kernels/v4_attention.py) and indexer scores (kernels/v4_indexer.py): the twin is
+the eager attention's math on a real decode state (window ring, CSA selection, HCA entries), the Triton kernels (in
+the interpreter without a GPU) match their twins at small widths and at V4-Flash's (512-wide rows and 64 heads;
+64 index heads of 128), and a tiny V4 decodes the same through them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv3lite.kernels import dispatch
+from dsv3lite.kernels.mla_decode import MAX_QUERIES
+from dsv3lite.testing_v4 import load_v4, write_v4_hf
+from dsv3lite.v4 import attention as v4attn
+from dsv3lite.v4.cache import new_cache
+
+triton = pytest.importorskip("triton")
+from dsv3lite.kernels.v4_attention import v4_decode_attention, v4_decode_attention_ref  # noqa: E402
+from dsv3lite.kernels.v4_indexer import index_scores, index_scores_ref  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCES = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_on_cpu():
+    assert DEVICE.type == "cuda" or dispatch.interpreted(), "TRITON_INTERPRET=1 must be set before triton is imported"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    pytest.importorskip("transformers")          # (writes the checkpoint; the GPU suite's machine may lack it)
+    return write_v4_hf(tmp_path_factory.mktemp("v4attn"), "tiny")
+
+
+def case(heads, dim, window, ring, start, sq, n_entries, topk, dtype, seed=0):
+    """Random inputs: q, the ring, sinks, entries and (topk > 0) index lists with -1 holes."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, sq, heads, dim, generator=gen).to(DEVICE, dtype)
+    kv = torch.randn(2, ring, dim, generator=gen).to(DEVICE, dtype)
+    sink = torch.randn(heads, generator=gen).to(DEVICE)
+    entries = torch.randn(2, n_entries, dim, generator=gen).to(DEVICE, dtype) if n_entries else None
+    indices = None
+    if topk:
+        indices = torch.stack([torch.stack([torch.randperm(n_entries, generator=gen)[:topk] for _ in range(sq)])
+                               for _ in range(2)]).to(torch.int32)
+        indices[:, :, ::3] = -1                                           # picks the query cannot see
+        indices = indices.to(DEVICE)
+    return q, kv, start, window, sink, dim ** -0.5, entries, indices
+
+
+def assert_close(name, got, want, tol):
+    got, want = got.float().cpu(), want.float().cpu()
+    assert got.shape == want.shape and torch.isfinite(got).all(), name
+    diff = (got - want).abs().max().item()
+    assert diff <= tol * max(want.abs().max().item(), 1.0), f"{name}: max abs diff {diff:.3g}"
+
+
+# --- the twin is the eager attention ------------------------------------------------------------------------
+
+def test_twin_is_the_eager_attention_on_decode_states(tiny_dir, monkeypatch):
+    """Every _attend call of a tiny V4's decode steps (and a 3-token verify-sized chunk): the twin, fed the same
+    window rows as a ring, gives the same bits, in sliding, CSA (selected and all-visible) and HCA layers."""
+    model = load_v4(tiny_dir, log=lambda m: None)
+    seen, original = [], v4attn.Attention._attend
+
+    def spy(self, q, start, positions, keys, entries, selected):
+        out = original(self, q, start, positions, keys, entries, selected)
+        if q.shape[1] > MAX_QUERIES:                                          # a prefill chunk
+            return out
+        rows = self.window + q.shape[1] - 1
+        kpos = torch.arange(start + q.shape[1] - keys.shape[1], start + q.shape[1])
+        ring = torch.full((keys.shape[0], rows, keys.shape[2]), float("nan"), dtype=keys.dtype)
+        ring[:, kpos % rows] = keys                                           # position p at row p mod R
+        twin = v4_decode_attention_ref(q, ring, start, self.window, self.attn_sink, self.head_dim ** -0.5, entries,
+                                       None if selected is None else selected.to(torch.int32), self.ratio)
+        assert torch.equal(out, twin), (self.kind, start)
+        seen.append((self.kind, selected is not None))
+        return out
+
+    monkeypatch.setattr(v4attn.Attention, "_attend", spy)
+    ids = torch.randint(2, model.args.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    cache = new_cache(model.args, 64, with_mtp=False)
+    with torch.inference_mode():
+        model.hidden(ids[:, :30], 0, cache)
+        seen.clear()
+        for p in range(30, 37):
+            model.hidden(ids[:, p:p + 1], p, cache)
+        model.hidden(ids[:, 37:40], 37, cache)
+    assert {kind for kind, _ in seen} == {"sliding", "csa", "hca"} and any(sel for _, sel in seen)
+
+
+# --- the kernel against the twin ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind,start,sq,splits", [
+    ("sliding", 3, 1, 1),          # fewer tokens than the window
+    ("sliding", 45, 4, 2),         # ring wrapped, a verify pass, two splits
+    ("hca", 50, 2, None),          # all entries visible by position
+    ("hca", 46, 3, 2),             # the second query closes a window: it sees one entry more than the first
+    ("csa", 61, 3, 3),             # index lists with holes, three splits
+    ("csa", 20, 1, None),
+])
+def test_kernel_matches_twin(kind, start, sq, splits, dtype):
+    n_entries = {"sliding": 0, "hca": 4, "csa": 14}[kind]
+    args = case(heads=5, dim=40, window=12, ring=15, start=start, sq=sq, n_entries=n_entries,
+                topk=6 if kind == "csa" else 0, dtype=dtype, seed=start)
+    ratio = 16 if kind == "hca" else 4
+    got = v4_decode_attention(*args, ratio=ratio, num_splits=splits)
+    want = v4_decode_attention_ref(*args, ratio=ratio)
+    assert got.dtype == dtype
+    assert_close(f"{kind} start={start} Sq={sq}", got, want, TOLERANCES[dtype])
+
+
+def test_kernel_at_flash_width():
+    """V4-Flash's 64 heads of 512-wide rows, the 128-token window and a few selected entries, split in four."""
+    args = case(heads=64, dim=512, window=128, ring=131, start=300, sq=2, n_entries=20, topk=8,
+                dtype=torch.bfloat16, seed=1)
+    got = v4_decode_attention(*args, ratio=4, num_splits=4)
+    assert_close("flash width", got, v4_decode_attention_ref(*args, ratio=4), TOLERANCES[torch.bfloat16])
+
+
+def test_sink_takes_the_weight_of_a_query_without_keys():
+    """A head whose sink dominates gives ~0 output; a query that sees no entry and a window of one row still
+    counts the sink once, however the keys are split."""
+    q, kv, _, window, sink, scale, entries, _ = case(heads=3, dim=16, window=4, ring=7, start=0, sq=1, n_entries=2,
+                                                     topk=0, dtype=torch.float32)
+    sink = torch.tensor([30.0, 0.0, -30.0], device=DEVICE)
+    outs = [v4_decode_attention(q, kv, 0, window, sink, scale, entries, ratio=4, num_splits=s) for s in (1, 2)]
+    want = v4_decode_attention_ref(q, kv, 0, window, sink, scale, entries, ratio=4)
+    for got in outs:
+        assert_close("sink", got, want, TOLERANCES[torch.float32])
+    assert outs[0][:, :, 0].abs().max() < 1e-6                                 # the sink took it all
+    p_row = 1 / (1 + torch.exp(-(q[:, 0, 2] @ kv[:, 0].T).diagonal() * scale - 30.0))
+    torch.testing.assert_close(want[:, 0, 2], p_row[:, None] * kv[:, 0], rtol=1e-5, atol=1e-6)
+
+
+# --- the indexer's scores --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,dim,n,sq", [(9, 12, 300, 3), (9, 12, 2000, 4), (64, 128, 700, 1)])
+def test_index_scores_match_twin(heads, dim, n, sq, dtype):
+    """Odd head counts and widths (masked), a tile a program and several (2,000 keys), partial tiles; the last
+    queries see all but a few keys."""
+    gen = torch.Generator().manual_seed(heads)
+    q = torch.randn(2, sq, heads, dim, generator=gen).to(DEVICE, dtype)
+    keys = torch.randn(2, n, dim, generator=gen).to(DEVICE, dtype)
+    weights = (torch.randn(2, sq, heads, generator=gen) * heads ** -0.5).to(DEVICE)
+    start = 4 * n - 9
+    got = index_scores(q, weights, keys, start, 4)
+    want = index_scores_ref(q, weights, keys, torch.arange(start, start + sq, device=DEVICE), 4)
+    hidden = torch.isinf(want)
+    assert hidden.any() and torch.equal(torch.isinf(got), hidden)                       # the same keys not visible
+    assert_close(f"index {heads}x{dim} {dtype}", got.masked_fill(hidden, 0), want.masked_fill(hidden, 0), 1e-5)
+
+
+# --- the model through the kernel ---------------------------------------------------------------------------
+
+def test_tiny_v4_decodes_the_same_through_the_kernel(tiny_dir, monkeypatch):
+    model = load_v4(tiny_dir, log=lambda m: None)
+    ids = torch.randint(2, model.args.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))
+    calls, index_calls = [], []
+    real, real_index = v4attn.v4_decode_attention, v4attn.index_scores
+    monkeypatch.setattr(v4attn, "v4_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(v4attn, "index_scores", lambda *a, **k: index_calls.append(1) or real_index(*a, **k))
+
+    def decode(kernels):
+        monkeypatch.setenv("DSV3LITE_KERNELS", kernels)
+        cache = new_cache(model.args, 40, with_mtp=False)
+        with torch.inference_mode():
+            steps = [model.logits(model.hidden(ids[:, :24], 0, cache))[:, -1]]
+            steps += [model.logits(model.hidden(ids[:, p:p + 1], p, cache))[:, -1] for p in range(24, 27)]
+            steps.append(model.logits(model.hidden(ids[:, 27:30], 27, cache))[:, -1])   # a verify-sized step
+        return torch.stack(steps)
+
+    want = decode("ref")
+    assert not calls and not index_calls
+    got = decode("triton")
+    assert len(calls) == 4 * model.args.num_hidden_layers and index_calls            # CSA layers select here
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-4)
