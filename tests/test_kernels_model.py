@@ -1,6 +1,8 @@
 """The model's decode path with Triton kernels (interpreter on CPU) against the same path with the twins."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -37,6 +39,30 @@ def test_kernels_with_offloaded_experts(monkeypatch, v3_dir):
     ref_tokens, _ = run(v3_dir, monkeypatch, False, experts="int4", gpu_mem=budget, miss_policy="cpu")
     got_tokens, _ = run(v3_dir, monkeypatch, True, experts="int4", gpu_mem=budget, miss_policy="cpu")
     assert got_tokens == ref_tokens
+
+
+def test_kernels_with_offloaded_v4_experts(monkeypatch, v4_dir):
+    """DeepSeek-V4's MXFP4 experts offloaded: decode steps go through the fused kernel with the SwiGLU clamp inside
+    it, and give what the resident experts give on the CPU with the same arithmetic (exact weights, fp32
+    activations: the CPU kernel's MXFP4_ACT "fp32"; its default rounds the activations to int8)."""
+    import dsv3lite.offload.runtime as runtime
+    from dsv3lite.kernels import cpu_experts
+    from dsv3lite.kernels import fused_moe as fm
+    from dsv3lite.testing import offload_budget
+
+    limits = []
+
+    def counted(*a, **kw):
+        limits.append(kw.get("limit"))
+        return fm.fused_moe(*a, **kw)
+    monkeypatch.setattr(runtime, "fused_moe", counted)
+    monkeypatch.setattr(cpu_experts, "MXFP4_ACT", "fp32")
+    resident_tokens, resident_logits = run(v4_dir, monkeypatch, True, prompt="hi")
+    budget = offload_budget(str(v4_dir), 8, None, ctx=96, mtp=False)
+    tokens, logits = run(v4_dir, monkeypatch, True, prompt="hi", gpu_mem=budget, miss_policy="fetch")
+    clamp = json.loads((v4_dir / "config.json").read_text())["swiglu_limit"]
+    assert tokens == resident_tokens and limits and set(limits) == {clamp}
+    torch.testing.assert_close(logits, resident_logits, atol=1e-4, rtol=1e-4)
 
 
 def test_kernels_give_the_twins_tokens_on_the_demo_model(monkeypatch):

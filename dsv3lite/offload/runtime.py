@@ -139,8 +139,8 @@ class OffloadRuntime:
         self.announced: list[int] = []                    # the tokens announced for the forwards to come
         self.consumed: dict[int, int] = {}                # hash layer -> how many of them its forwards ran
         self.token_pins: set = set()                      # their experts' keys, pinned until their layer runs
-        # decode through the fused MoE kernel (it has no SwiGLU clamp)
-        self.fused = dispatch.use_kernels(device) and fmt.fused_kernel and limit is None
+        # decode through the fused MoE kernel (V4's SwiGLU clamp inside it)
+        self.fused = dispatch.use_kernels(device) and fmt.fused_kernel
         self.slot_index = torch.arange(n_slots, dtype=torch.int32, device=device)   # slot i's entry: [i:i+1]
         # CPU tier with the compiled kernel: a decode step's experts in one kernel call (slots and CPU-assigned
         # misses alike), as the resident provider computes them
@@ -330,7 +330,7 @@ class OffloadRuntime:
             return y.to(device=xs.device, dtype=xs.dtype)
         self.cache.wait(slot)
         if self.fused:                     # the kernels' format on a GPU: weights decoded in registers
-            return fused_expert(xs, self.slot_index[slot:slot + 1], self.cache.pool, self.layout)
+            return fused_expert(xs, self.slot_index[slot:slot + 1], self.cache.pool, self.layout, self.limit)
         return self.fmt.expert_forward(self.cache.slot_view(slot), xs, self.layout, self.limit).to(xs.dtype)
 
     def _one_call(self, layer_id, x, ids, weights, place) -> torch.Tensor:
@@ -374,7 +374,7 @@ class OffloadRuntime:
                 for k, e in enumerate(row):
                     if place[e] is None:
                         external[t, k] = self._compute(None, layer_id, e, x[t:t + 1])[0]
-        return fused_moe(x, ids, weights, table, self.cache.pool, self.layout, external)
+        return fused_moe(x, ids, weights, table, self.cache.pool, self.layout, external, limit=self.limit)
 
     def _bulk(self, layer_id, x, ids, weights, rows, counts) -> torch.Tensor:
         """Prefill: every expert this layer needs crosses once, streamed in ascending id with a few copies in
