@@ -147,6 +147,8 @@ def _ffn_plan(block) -> _Plan:
     bias = gate.bias
     if experts is None:
         return _Plan(None, keep)       # experts the host schedules (offloaded, --cpu-mem): eager by design
+    if getattr(ffn.experts, "limit", None) is not None:
+        return _Plan(None, keep, why="a SwiGLU clamp (the V3 family's descriptor has none)")
     if not _plain(gate.weight) or (bias is not None and not _plain(bias)) \
             or a.n_group > MAX_ROUTER_GROUPS or a.num_experts_per_tok > a.n_routed_experts:
         return _Plan(None, keep, why="a router past the kernel's bounds")

@@ -238,8 +238,10 @@ def test_the_library_is_checked_against_the_python_side(monkeypatch):
         _fields_ = cpu_abi.Lin._fields_ + [("extra", ctypes.c_int64)]
     Longer.__name__ = "Lin"
     structs = cpu_abi.STRUCTS
-    monkeypatch.setattr(cpu_abi, "STRUCTS", (Longer,))
+    monkeypatch.setattr(cpu_abi, "STRUCTS", {"dsv3_struct_layout": (Longer,)})
     assert "struct Lin" in cpu_abi.mismatch(lib)
+    monkeypatch.setattr(cpu_abi, "STRUCTS", {"dsv4_struct_layout": (cpu_abi.V4FfnDesc, Longer)})
+    assert "struct Lin is laid out as None" in cpu_abi.mismatch(lib)     # V4's reporter knows no Lin
     monkeypatch.setattr(cpu_abi, "STRUCTS", structs)
     monkeypatch.setattr(cpu_abi, "cpu_codes", lambda: {"int4": 7})
     assert "format 'int4' has code 2 in the library, 7" in cpu_abi.mismatch(lib)
