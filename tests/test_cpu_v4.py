@@ -12,10 +12,9 @@ import torch
 
 from dsv3lite.dense import pack_dense
 from dsv3lite.kernels import cpu_v4
-from dsv3lite.testing_v4 import write_v4_pair
+from dsv3lite.testing_v4 import load_v4, write_v4_pair
 from dsv3lite.v4.cache import new_cache
 from dsv3lite.v4.config import CSA, HCA, SLIDING
-from dsv3lite.v4.loader import load_v4
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_kernels]
 SEQ = 70                                   # window 8, CSA 4 (the indexer selects past 4 entries), HCA 16
