@@ -2,17 +2,24 @@
 sub-steps of dsv3lite/v4: the mHC pre, each block's attention (sliding, CSA with the indexer selecting, HCA) and
 feed-forward (hash and learned routers, MXFP4 blobs or dense experts, plain or packed dense weights) over a sequence
 cut into prefill chunks, decode steps and verify-sized calls, the cache objects' tensors after each; a call of
-several tokens against single steps (the same bits); the whole step in one call against the per-block calls."""
+several tokens against single steps (the same bits); the whole step in one call against the per-block calls. Then
+the executor (dsv3lite/executors/cpu_v4.py): generation on the CPU takes it by default (`generate --device cpu`
+too) and decodes the eager executor's tokens, resident, offloaded (compiled attention between the host-scheduled
+experts); at V4-Flash's geometry in tests/test_v4_engine.py."""
 from __future__ import annotations
 
 import copy
 
+import json
+
 import pytest
 import torch
 
+import dsv3lite
 from dsv3lite.dense import pack_dense
+from dsv3lite.executors.cpu_v4 import V4CpuStep
 from dsv3lite.kernels import cpu_v4
-from dsv3lite.testing_v4 import load_v4, write_v4_pair
+from dsv3lite.testing_v4 import load_v4, write_v4_hf, write_v4_pair
 from dsv3lite.v4.cache import new_cache
 from dsv3lite.v4.config import CSA, HCA, SLIDING
 
@@ -158,3 +165,96 @@ def test_what_the_kernels_leave_to_the_eager_path(models, monkeypatch):
     offloaded.experts = torch.nn.Identity()
     assert cpu_v4._ffn_plan(type("B", (), dict(ffn=offloaded, hc_ffn=block.hc_ffn, ffn_norm=block.ffn_norm))).desc \
         is None
+
+
+# --- the executor ------------------------------------------------------------------------------------------------
+
+PROMPT = [5, 9, 17, 33, 2, 41, 8, 77, 120, 3, 64]
+
+
+class Spy:
+    """Counts the compiled sub-step calls that ran (not None) and those left to the eager path."""
+
+    def __init__(self, monkeypatch):
+        self.ran = {"layers": 0, "attention": 0, "feed_forward": 0}
+        self.declined = dict(self.ran)
+        for name in self.ran:
+            monkeypatch.setattr(cpu_v4, name, self._wrap(name, getattr(cpu_v4, name)))
+
+    def _wrap(self, name, real):
+        def call(*a, **kw):
+            out = real(*a, **kw)
+            (self.ran if out is not None else self.declined)[name] += 1
+            return out
+        return call
+
+
+def engine(path, logs=None, **kw):
+    llm = dsv3lite.load(path, device="cpu", ctx_size=kw.pop("ctx_size", 160), progress=False,
+                        log=(logs if logs is not None else []).append, **kw)
+    llm.stop_ids = set()
+    return llm
+
+
+def greedy(llm, n, prompt=PROMPT) -> list[int]:
+    return [c.token_id for c in llm.generate(prompt, max_tokens=n)]
+
+
+@pytest.fixture(scope="module")
+def odd(tmp_path_factory):
+    """Odd widths everywhere (transformers' layout, dense experts): the kernels' vector tails."""
+    return write_v4_hf(tmp_path_factory.mktemp("v4odd"), "odd")
+
+
+@pytest.mark.parametrize("which", ["official", "odd"])
+def test_generate_on_the_cpu_takes_the_compiled_step_and_decodes_the_eager_tokens(request, monkeypatch, which):
+    """Every decode step runs every main layer in one kernel call (the prompt eagerly), with no line about a
+    sub-step left eager; the tokens are the eager executor's."""
+    logs = []
+    llm = engine(request.getfixturevalue(which), logs, mtp=False)
+    assert type(llm.executor) is V4CpuStep and llm.decode_threads is None
+    assert not [m for m in logs if "compiled CPU decode step" in m]
+    got = greedy(llm, 24)
+    assert llm.stats()["cpu_step"] == {"whole": 23, "by_block": 0, "eager": 1}
+    monkeypatch.setenv("DSV3LITE_CPU_DECODE", "eager")
+    assert greedy(llm, 24) == got
+    assert llm.stats()["cpu_step"] == {"whole": 0, "by_block": 0, "eager": 24}
+
+
+def test_speculation_verifies_in_one_call_and_drafts_through_the_kernels(official, monkeypatch):
+    """MTP: a verify pass (the step's token and its drafts) is one kernel call for every main layer, the MTP
+    block's drafts go through its sub-step kernels; greedy output is plain greedy's."""
+    plain = greedy(engine(official, mtp=False), 30)
+    spec = engine(official, mtp=True, num_draft_tokens=3, mtp_adaptive=False)
+    spy = Spy(monkeypatch)
+    assert greedy(spec, 30) == plain
+    counts = spec.stats()["cpu_step"]
+    assert counts["whole"] == spy.ran["layers"] > 0 and not any(spy.declined.values())
+    assert counts["by_block"] > 0 and spy.ran["attention"] == spy.ran["feed_forward"] == counts["by_block"]
+    assert counts["eager"] == 2                               # the prompt: the main layers, then the MTP block
+
+
+def test_offloaded_decode_runs_compiled_attention_between_the_host_scheduled_experts(official, monkeypatch):
+    from dsv3lite.testing import offload_budget
+
+    resident = greedy(engine(official, mtp=False), 16)
+    logs = []
+    off = engine(official, logs, mtp=False, gpu_mem=offload_budget(official, 12, None, ctx=160, mtp=False),
+                 miss_policy="fetch")
+    assert not [m for m in logs if "compiled CPU decode step" in m]         # host-scheduled experts: by design
+    spy = Spy(monkeypatch)
+    assert greedy(off, 16) == resident
+    n, steps = off.args.num_hidden_layers, 15
+    assert spy.ran["attention"] == steps * n and spy.ran["feed_forward"] == 0      # the eager MoE, experts between
+    assert off.stats()["cpu_step"]["by_block"] == steps and off.stats()["expert_cache"]["demand_misses"] > 0
+
+
+def test_the_command_line_generates_through_the_compiled_step(capsys, v4_dir):
+    from dsv3lite.cli import main
+
+    rc = main(["generate", "-w", str(v4_dir), "--device", "cpu", "-p", "hi", "-m", "6", "--no-mtp", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    doc = json.loads(out)
+    counts, n = doc["stats"]["cpu_step"], len(doc["token_ids"])
+    assert counts["whole"] >= n - 1 and counts["whole"] + counts["eager"] == n and counts["by_block"] == 0
