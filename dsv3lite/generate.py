@@ -335,7 +335,8 @@ class Engine:
                 self.offload.reset_stats()
             self._base_executor.reset_stats()
             t0 = time.perf_counter()
-            with intra_op_threads(self.threads.current(self.decode_threads)):
+            # prompts run eagerly on every device (the compiled CPU step takes decode steps): the size rule's threads
+            with intra_op_threads(self.threads.current(self._eager_threads)):
                 logits, hidden, start = self._prefill(ids)
                 if self.offload is not None:
                     self.offload.end_prefill()

@@ -221,6 +221,15 @@ def test_generate_on_the_cpu_takes_the_compiled_step_and_decodes_the_eager_token
     assert llm.stats()["cpu_step"] == {"whole": 0, "by_block": 0, "eager": 24}
 
 
+def test_a_bfloat16_model_decodes_eagerly_with_one_line(official):
+    logs = []
+    llm = engine(official, logs, mtp=False, dtype="bfloat16")
+    assert [m for m in logs if "compiled CPU decode step" in m] == \
+        ["note: the compiled CPU decode step computes in float32; bfloat16 decodes eagerly"]
+    greedy(llm, 4)
+    assert llm.stats()["cpu_step"] == {"whole": 0, "by_block": 0, "eager": 4} and llm.decode_threads == 1
+
+
 def test_speculation_verifies_in_one_call_and_drafts_through_the_kernels(official, monkeypatch):
     """MTP: a verify pass (the step's token and its drafts) is one kernel call for every main layer, the MTP
     block's drafts go through its sub-step kernels; greedy output is plain greedy's."""

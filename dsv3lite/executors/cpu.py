@@ -24,10 +24,19 @@ class CpuStep(Eager):
 
     def __init__(self, model, device: torch.device, log=None):
         super().__init__(model, device, log)
-        for reason in self.kernels.uncovered(model):
+        dtype = model.embed.weight.dtype
+        self.fp32 = dtype == torch.float32                  # the kernels' activations
+        if not self.fp32:
+            self.log(f"note: the compiled CPU decode step computes in float32; {str(dtype).replace('torch.', '')} "
+                     f"decodes eagerly")
+        for reason in self.kernels.uncovered(model) if self.fp32 else []:
             self.log(f"note: the compiled CPU decode step runs this eagerly: {reason}")
-        self.covers = self.kernels.covers(model)
+        self.covers = self.fp32 and self.kernels.covers(model)
         self.reset_stats()
+
+    def on(self) -> bool:
+        """Whether decode steps go to the kernels now (fp32, and not turned off by DSV3LITE_CPU_DECODE=eager)."""
+        return self.fp32 and self.kernels.enabled()
 
     def runs_whole(self) -> bool:
         """Whether a decode step runs every block through the kernels (they cover the model and are on now)."""
@@ -43,7 +52,7 @@ class CpuStep(Eager):
 
     def hidden(self, token_ids: list[int], start: int, cache: ModelCache, absorb: bool) -> torch.Tensor:
         model = self.model
-        if not absorb or not self.kernels.enabled():
+        if not absorb or not self.on():
             self.forwards["eager"] += 1
             return model.hidden(self.tokens(token_ids), start, cache, absorb)
         cache = as_model_cache(cache, model.args.latent_dim)
@@ -62,7 +71,7 @@ class CpuStep(Eager):
 
     def mtp_hidden(self, hidden: torch.Tensor, next_ids: list[int], start: int, cache, absorb: bool) -> torch.Tensor:
         model = self.model
-        if not absorb or not self.kernels.enabled():
+        if not absorb or not self.on():
             self.forwards["eager"] += 1
             return model.mtp_hidden(hidden, self.tokens(next_ids), start, cache, absorb)
         self.forwards["by_block"] += 1

@@ -23,7 +23,7 @@ class V4CpuStep(CpuStep):
     def hidden(self, token_ids: list[int], start: int, cache: ModelCache, absorb: bool) -> torch.Tensor:
         model = self.model
         tokens = self.tokens(token_ids)
-        if not absorb or not self.kernels.enabled():
+        if not absorb or not self.on():
             self.forwards["eager"] += 1
             return model.hidden(tokens, start, cache)
         x = model.prologue(tokens)
@@ -41,7 +41,7 @@ class V4CpuStep(CpuStep):
     def mtp_hidden(self, hidden: torch.Tensor, next_ids: list[int], start: int, cache, absorb: bool) -> torch.Tensor:
         model = self.model
         tokens = self.tokens(next_ids)
-        if not absorb or not self.kernels.enabled():
+        if not absorb or not self.on():
             self.forwards["eager"] += 1
             return model.mtp_hidden(hidden, tokens, start, cache)
         self.forwards["by_block"] += 1
