@@ -9,6 +9,7 @@
                 bias), the routed experts (dsv3_moe: resident blobs of any format, or the dense fp32 ones, with the
                 SwiGLU clamp), the shared expert, mHC post (`dsv4_ffn`)
   layers        both, for every main layer, in one call (`dsv4_layers`); the routing observers are called afterwards
+  ffn_input     Block.ffn_input: the feed-forward's mHC pre and ffn_norm, for a MoE the host runs (`dsv4_hc_pre`)
 
 Any number of tokens a call (decode, MTP verification, prefill chunks), batch 1, fp32 activations on the CPU in
 inference mode; the dense weights plain fp32 or packed (dense.PackedLinear: the fp8 / bf16 / int8 / int4 row
@@ -244,6 +245,19 @@ def feed_forward(block, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor |
                         scores.data_ptr(), 0), "feed-forward")
     block.ffn.observers.routed(block.ffn.layer_id, ids, scores)
     return out
+
+
+def ffn_input(block, x: torch.Tensor):
+    """Block.ffn_input(x) with its mHC pre (the mix, Sinkhorn, the collapse) through the kernel, for a feed-forward
+    the host runs (experts it schedules) -> (ffn_norm of the collapse [1, S, D], (post [1, S, n], comb [1, S, n,
+    n])), or None (the eager half runs)."""
+    if _usable(x) is None:
+        return None
+    found = hc_pre(block.hc_ffn, x[0])
+    if found is None:
+        return None
+    _, post, comb, u = found
+    return block.ffn_norm(u[None]), (post[None], comb[None])
 
 
 class _Layers(_Watched):

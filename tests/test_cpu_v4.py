@@ -109,6 +109,18 @@ def test_hc_pre_matches_hyper_connection(models):
     assert torch.allclose(comb.sum(-2), torch.ones(5, model.args.hc_mult), atol=1e-3)    # columns ~1
 
 
+def test_the_feed_forward_input_matches_the_eager_half(models):
+    """Block.ffn_input through the mHC kernel (the offloaded feed-forward's first half) against the eager half."""
+    model = models["mxfp4"]
+    block = model.layers[2]
+    x = torch.randn(1, 3, model.args.hc_mult, model.args.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        (u, (post, comb)), (eu, (epost, ecomb)) = cpu_v4.ffn_input(block, x), block.ffn_input(x)
+    for got, want in ((u, eu), (post, epost), (comb, ecomb)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def run_layers(model, ids, cuts, per_block: bool):
     """The main layers through the kernels over ids cut at `cuts` -> the streams of every position."""
     a = model.args
@@ -176,7 +188,7 @@ class Spy:
     """Counts the compiled sub-step calls that ran (not None) and those left to the eager path."""
 
     def __init__(self, monkeypatch):
-        self.ran = {"layers": 0, "attention": 0, "feed_forward": 0}
+        self.ran = {"layers": 0, "attention": 0, "feed_forward": 0, "ffn_input": 0}
         self.declined = dict(self.ran)
         for name in self.ran:
             monkeypatch.setattr(cpu_v4, name, self._wrap(name, getattr(cpu_v4, name)))
@@ -254,7 +266,8 @@ def test_offloaded_decode_runs_compiled_attention_between_the_host_scheduled_exp
     spy = Spy(monkeypatch)
     assert greedy(off, 16) == resident
     n, steps = off.args.num_hidden_layers, 15
-    assert spy.ran["attention"] == steps * n and spy.ran["feed_forward"] == 0      # the eager MoE, experts between
+    assert spy.ran["attention"] == spy.ran["ffn_input"] == steps * n                # the experts between
+    assert spy.ran["feed_forward"] == 0 and not any(spy.declined.values())
     assert off.stats()["cpu_step"]["by_block"] == steps and off.stats()["expert_cache"]["demand_misses"] > 0
 
 

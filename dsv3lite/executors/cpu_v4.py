@@ -4,8 +4,8 @@ the V3 family's (cpu.py).
 
 With nothing watching, every main layer runs in one kernel call (`cpu_v4.layers`). Otherwise block by block: the
 attention kernel; the observers (the offloading predictor gets the feed-forward's router input and routing); the
-feed-forward kernel, or the eager feed-forward where the host schedules the experts (offloaded, --cpu-mem) or the
-route was computed ahead. The MTP block runs its two sub-steps through the kernels too. Prompts (more tokens a
+feed-forward kernel, or, where the host schedules the experts (offloaded, --cpu-mem) or the route is wanted ahead,
+the feed-forward's mHC pre through its kernel and the MoE and mHC post eagerly. The MTP block runs its two sub-steps through the kernels too. Prompts (more tokens a
 forward) run eagerly: the model's batched operators, and layer-major prefill (prefill.py) for long ones.
 """
 from __future__ import annotations
@@ -53,10 +53,17 @@ class V4CpuStep(CpuStep):
         if a is None:
             a = block.attention(x, start, cache)
         observers = self.model.observers
-        routed = block.routed_ahead(a, tokens) if observers.layer else None
-        observers.after_attention(block, a, routed)
-        if routed is None:
+        if not observers.layer:
+            observers.after_attention(block, a, None)
             out = cpu_v4.feed_forward(block, a, tokens)
             if out is not None:
                 return out
-        return block.feed_forward(a, tokens, routed)
+        # the host runs the MoE (experts it schedules, or a route wanted ahead): its two halves around it, the
+        # first through the mHC kernel; the route computed once, for the layer observers and the MoE
+        half = cpu_v4.ffn_input(block, a)
+        u, mix = half if half is not None else block.ffn_input(a)
+        route = None
+        if observers.layer:
+            route = block.ffn.route(u, tokens)
+            observers.after_attention(block, a, (u, route))
+        return block.ffn_output(a, block.ffn(u, tokens, route), mix)
