@@ -172,8 +172,8 @@ def _resident_blobs(experts):
     return describe() if describe is not None else None
 
 
-# plans kept per module, outside it (modules are never written by the executors): weak keys, so a module dropped
-# drops its plans; a plan whose tensors moved is rebuilt
+# plans kept per block, outside it (modules are never written by the executors): weak keys, so a block dropped
+# drops its plans; a plan whose tensors moved is rebuilt (the V4 family's blocks keep theirs here too)
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -190,18 +190,31 @@ def _block_plans(block) -> tuple[_Plan, _Plan]:
     return _plan(block, 0, _attention_plan), _plan(block, 1, _ffn_plan)
 
 
-def uncovered(model) -> list[str]:
-    """Why sub-steps of `model`'s blocks run eagerly, one line per distinct reason (nothing when the kernels are
-    absent or off: then everything runs eagerly, and cpu_build already said why)."""
+def plan_reasons(blocks, plans_of) -> list[str]:
+    """Why sub-steps of `blocks` run eagerly, one line per distinct reason (nothing when the kernels are absent or
+    off: then everything runs eagerly, and cpu_build already said why). plans_of(block) -> (attention plan,
+    feed-forward plan): a family's."""
     if not enabled() or cpu_build.library() is None:
         return []
     reasons = []
-    for block in model.blocks():
-        for what, plan in zip(("attention", "feed-forward"), _block_plans(block)):
+    for block in blocks:
+        for what, plan in zip(("attention", "feed-forward"), plans_of(block)):
             line = f"{what}: {plan.why}"
             if plan.desc is None and plan.why and line not in reasons:
                 reasons.append(line)
     return reasons
+
+
+def all_planned(blocks, plans_of) -> bool:
+    """Whether the kernels are there, on, and have a plan for every sub-step of `blocks` (plans_of as above)."""
+    if not enabled() or cpu_build.library() is None:
+        return False
+    return all(a.desc is not None and f.desc is not None for a, f in map(plans_of, blocks))
+
+
+def uncovered(model) -> list[str]:
+    """Why sub-steps of `model`'s blocks run eagerly, one line per distinct reason."""
+    return plan_reasons(model.blocks(), _block_plans)
 
 
 def _fits(cache: torch.Tensor, start: int, seqlen: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -290,9 +303,7 @@ def knows(model) -> bool:
 
 def covers(model) -> bool:
     """Whether the decode step runs every block of `model` (the kernels are there, on, and can read each block)."""
-    if not enabled() or cpu_build.library() is None or not knows(model):
-        return False
-    return all(a.desc is not None and f.desc is not None for a, f in map(_block_plans, model.blocks()))
+    return knows(model) and all_planned(model.blocks(), _block_plans)
 
 
 def _usable(h: torch.Tensor):

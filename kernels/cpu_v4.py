@@ -28,7 +28,8 @@ import torch
 
 from . import cpu_build, cpu_experts
 from .cpu_abi import F32, HcDesc, Lin, V4AttnDesc, V4CacheDesc, V4FfnDesc
-from .cpu_decode import MAX_ROPE, _lin, _norm, _plain, _Plan, _resident_blobs, _Watched, enabled
+from .cpu_decode import (MAX_ROPE, _lin, _norm, _plain, _plan, _Plan, _resident_blobs, _Watched, all_planned,
+                         enabled, plan_reasons)
 
 _ptr = ctypes.c_void_p
 MAX_HC = 16                                   # streams the kernels hold (cpu_v4.cpp)
@@ -115,47 +116,26 @@ def _ffn_plan(block) -> _Plan:
     d = V4FfnDesc(hc, *shared, Lin(F32, e, a.hidden_size, 0, router, None, None), norm, bias,
                   None if table is None else table.data_ptr(), expert_ptrs.data_ptr(), expert_desc.data_ptr(),
                   a.hidden_size, e, k, a.vocab_size, 0 if table is None else table.element_size(),
-                  int(a.norm_topk_prob), cpu_experts._MXFP4_ACTS[cpu_experts.MXFP4_ACT], block.ffn_norm.eps, a.routed_scaling_factor,
+                  int(a.norm_topk_prob), cpu_experts._MXFP4_ACTS[cpu_experts.MXFP4_ACT], block.ffn_norm.eps,
+                  a.routed_scaling_factor,
                   math.inf if a.swiglu_limit is None else a.swiglu_limit, 0.0)
     return _Plan(d, keep, extra=(expert_ptrs, expert_desc))
 
 
-# plans kept per block, outside it (weak keys; a plan whose tensors moved is rebuilt), as kernels/cpu_decode.py's
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _plan(block, slot: int, build) -> _Plan:
-    plans = _PLANS.setdefault(block, [None, None])
-    plan = plans[slot]
-    if plan is None or not plan.valid():
-        plan = plans[slot] = build(block)
-    return plan
-
-
 def block_plans(block) -> tuple[_Plan, _Plan]:
-    """(attention plan, feed-forward plan) of one V4 block."""
+    """(attention plan, feed-forward plan) of one V4 block (kept with the V3 family's: cpu_decode._plan)."""
     return _plan(block, 0, _attention_plan), _plan(block, 1, _ffn_plan)
 
 
 def uncovered(model) -> list[str]:
     """Why sub-steps of `model`'s blocks run eagerly, one line per distinct reason (nothing when the kernels are
     absent or off)."""
-    if not enabled() or cpu_build.library() is None:
-        return []
-    reasons = []
-    for block in model.blocks():
-        for what, plan in zip(("attention", "feed-forward"), block_plans(block)):
-            line = f"{what}: {plan.why}"
-            if plan.desc is None and plan.why and line not in reasons:
-                reasons.append(line)
-    return reasons
+    return plan_reasons(model.blocks(), block_plans)
 
 
 def covers(model) -> bool:
     """Whether the compiled step runs every block of `model` (the kernels are there, on, and can read each)."""
-    if not enabled() or cpu_build.library() is None or not knows(model):
-        return False
-    return all(a.desc is not None and f.desc is not None for a, f in map(block_plans, model.blocks()))
+    return knows(model) and all_planned(model.blocks(), block_plans)
 
 
 # --- cache objects ---------------------------------------------------------------------------------------------

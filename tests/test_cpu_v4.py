@@ -19,6 +19,7 @@ import dsv3lite
 from dsv3lite.dense import pack_dense
 from dsv3lite.executors.cpu_v4 import V4CpuStep
 from dsv3lite.kernels import cpu_v4
+from dsv3lite.testing import KernelSpy
 from dsv3lite.testing_v4 import load_v4, write_v4_hf, write_v4_pair
 from dsv3lite.v4.cache import new_cache
 from dsv3lite.v4.config import CSA, HCA, SLIDING
@@ -184,21 +185,8 @@ def test_what_the_kernels_leave_to_the_eager_path(models, monkeypatch):
 PROMPT = [5, 9, 17, 33, 2, 41, 8, 77, 120, 3, 64]
 
 
-class Spy:
-    """Counts the compiled sub-step calls that ran (not None) and those left to the eager path."""
-
-    def __init__(self, monkeypatch):
-        self.ran = {"layers": 0, "attention": 0, "feed_forward": 0, "ffn_input": 0}
-        self.declined = dict(self.ran)
-        for name in self.ran:
-            monkeypatch.setattr(cpu_v4, name, self._wrap(name, getattr(cpu_v4, name)))
-
-    def _wrap(self, name, real):
-        def call(*a, **kw):
-            out = real(*a, **kw)
-            (self.ran if out is not None else self.declined)[name] += 1
-            return out
-        return call
+def spy_on(monkeypatch) -> KernelSpy:
+    return KernelSpy(monkeypatch, cpu_v4, ("layers", "attention", "feed_forward", "ffn_input"))
 
 
 def engine(path, logs=None, **kw):
@@ -247,7 +235,7 @@ def test_speculation_verifies_in_one_call_and_drafts_through_the_kernels(officia
     block's drafts go through its sub-step kernels; greedy output is plain greedy's."""
     plain = greedy(engine(official, mtp=False), 30)
     spec = engine(official, mtp=True, num_draft_tokens=3, mtp_adaptive=False)
-    spy = Spy(monkeypatch)
+    spy = spy_on(monkeypatch)
     assert greedy(spec, 30) == plain
     counts = spec.stats()["cpu_step"]
     assert counts["whole"] == spy.ran["layers"] > 0 and not any(spy.declined.values())
@@ -263,7 +251,7 @@ def test_offloaded_decode_runs_compiled_attention_between_the_host_scheduled_exp
     off = engine(official, logs, mtp=False, gpu_mem=offload_budget(official, 12, None, ctx=160, mtp=False),
                  miss_policy="fetch")
     assert not [m for m in logs if "compiled CPU decode step" in m]         # host-scheduled experts: by design
-    spy = Spy(monkeypatch)
+    spy = spy_on(monkeypatch)
     assert greedy(off, 16) == resident
     n, steps = off.args.num_hidden_layers, 15
     assert spy.ran["attention"] == spy.ran["ffn_input"] == steps * n                # the experts between

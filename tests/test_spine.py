@@ -13,7 +13,7 @@ import torch
 
 import dsv3lite
 from dsv3lite.kernels import cpu_decode
-from dsv3lite.testing import offload_budget
+from dsv3lite.testing import KernelSpy, offload_budget
 
 from test_architecture import import_graph
 
@@ -142,24 +142,6 @@ def test_the_field_watch_sees_a_write_from_outside(v3_dir):
 
 # --- executors: a sub-step they cannot run stays eager, the rest does not --------------------------------------
 
-class Ran:
-    """Counts the compiled sub-steps that ran (not None) and those left to the eager path."""
-
-    def __init__(self, monkeypatch):
-        self.ran = {"layers": 0, "attention": 0, "feed_forward": 0}
-        self.declined = dict(self.ran)
-        for name in self.ran:
-            real = getattr(cpu_decode, name)
-            monkeypatch.setattr(cpu_decode, name, self._wrap(name, real))
-
-    def _wrap(self, name, real):
-        def call(*a, **kw):
-            out = real(*a, **kw)
-            (self.ran if out is not None else self.declined)[name] += 1
-            return out
-        return call
-
-
 @pytest.mark.cpu_kernels
 def test_v32_decodes_through_the_compiled_step_but_its_sparse_attention(ckpt_factory, monkeypatch):
     logs = []
@@ -169,7 +151,7 @@ def test_v32_decodes_through_the_compiled_step_but_its_sparse_attention(ckpt_fac
     monkeypatch.setenv("DSV3LITE_CPU_DECODE", "eager")
     want = greedy(llm, 10)
     monkeypatch.delenv("DSV3LITE_CPU_DECODE")
-    ran = Ran(monkeypatch)
+    ran = KernelSpy(monkeypatch, cpu_decode)
     assert greedy(llm, 10) == want
     n_layers, steps = llm.args.num_hidden_layers, 9
     assert ran.ran["attention"] == 0 and ran.declined["attention"] == steps * n_layers
@@ -197,7 +179,7 @@ def test_offloaded_cpu_decode_runs_compiled_attention_between_the_host_scheduled
     resident = load(v3_dir, **kw)
     offloaded = load(v3_dir, gpu_mem=offload_budget(v3_dir, 8, "bf16", ctx=160, mtp=False), miss_policy="fetch", **kw)
     want = greedy(resident, 8)
-    ran = Ran(monkeypatch)
+    ran = KernelSpy(monkeypatch, cpu_decode)
     assert greedy(offloaded, 8) == want
     args, steps = offloaded.args, 7
     n_moe = len(args.moe_layer_ids)

@@ -5,8 +5,10 @@ the V3 family's (cpu.py).
 With nothing watching, every main layer runs in one kernel call (`cpu_v4.layers`). Otherwise block by block: the
 attention kernel; the observers (the offloading predictor gets the feed-forward's router input and routing); the
 feed-forward kernel, or, where the host schedules the experts (offloaded, --cpu-mem) or the route is wanted ahead,
-the feed-forward's mHC pre through its kernel and the MoE and mHC post eagerly. The MTP block runs its two sub-steps through the kernels too. Prompts (more tokens a
-forward) run eagerly: the model's batched operators, and layer-major prefill (prefill.py) for long ones.
+the feed-forward's mHC pre through its kernel and the MoE and mHC post eagerly. The MTP block runs its two
+sub-steps through the kernels too. Prompts (more tokens a forward) run eagerly: the model's batched operators, and
+layer-major prefill (prefill.py) for long ones (the kernels' row dots read a weight once per few tokens: on the
+real-width slice they prefill slower than the batched operators, benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
