@@ -9,6 +9,7 @@ graphs per step, whether the tokens match, and why graphs turned off if they did
 
     python benchmarks/gpu_graphs.py RESULTS_DIR [--tokens 64] [--rounds 3]
     python benchmarks/gpu_graphs.py RESULTS_DIR --device cpu      # logic check here (stand-in capture)
+    python benchmarks/gpu_graphs.py RESULTS_DIR --dry-run         # arguments and imports only
 Writes RESULTS_DIR/graphs.md.
 """
 from __future__ import annotations
@@ -98,7 +99,16 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dry-run", action="store_true", help="check the arguments and imports, measure nothing")
     a = ap.parse_args()
+    if a.dry_run:
+        import dsv3lite.executors.graphs  # noqa: F401
+        from dsv3lite.testing import write_geometry_checkpoint  # noqa: F401
+
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "graphs.md").write_text(f"# graphs (dry run): {a.tokens} tokens x {a.rounds} rounds\n")
+        print("gpu_graphs.py: dry run")
+        return
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_graphs.py: no CUDA device (use --device cpu for a logic check)")
     from dsv3lite.testing import write_geometry_checkpoint

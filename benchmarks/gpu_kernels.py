@@ -1,21 +1,27 @@
 """Triton kernels on one GPU against their PyTorch twins and the machine's own peaks, with DeepSeek-V3 shapes.
 
   peaks  device-to-device copy GB/s and bf16 matmul TFLOP/s, measured here: the roofline for the rest
-  moe    fused_moe per MoE layer (8 of 256 experts, D=7168 I=2048; M = 1 and 2 tokens; int4 / fp8 / bf16 blobs
-         in a 64-slot pool, so consecutive calls read different slots and L2 cannot hold them) vs reading its
-         weight bytes at copy bandwidth, and vs the twin (dequantize + matmul)
+  moe    fused_moe per MoE layer (8 of 256 experts, D=7168 I=2048; M = 1 and 2 tokens; int4 / fp8 / int4g32
+         (Kimi-K2's released experts) / bf16 blobs in a 64-slot pool, so consecutive calls read different slots
+         and L2 cannot hold them) vs reading its weight bytes at copy bandwidth, and vs the twin (dequantize +
+         matmul)
   mla    mla_decode at 4K/32K/128K context, batch 1/8/32 (128 heads, 512 + 64) vs its twin, and vs
          scaled_dot_product_attention over the latent expanded per head (only to 8K context and batch 8)
   gemv   w4a16 / w8a16 on 7168x2048 and 2048x7168 (M = 1 and 16), weights rotated through 64 copies (> L2),
          vs cuBLAS bf16 on the same shapes and vs the twins
-  sweep  a few tile configurations of fused_moe and w4a16 (M = 1), while the time budget lasts
+  sweep  each batch-1 kernel's candidate configurations (kernels/tuning.py) against its default; the winners
+         (more than 3% faster) go to --tuning-out, a JSON file for DSV3LITE_TUNING
+  prefill the grouped kernels (expert-major, weights decoded in registers) against the dequantizing path, one
+         MoE layer over 512 and 2048 prompt tokens with all 256 experts resident (int4 / fp8 / int4g32)
 
 Every kernel is checked against its twin once before it is timed (max error in the tables; a failed check
 makes the exit status 1). Timing: CUDA events, warmup, median of several repetitions; "GPU" times replay
 the calls from a CUDA graph (no launch overhead), "eager" times include Python launch cost.
 
-    python benchmarks/gpu_kernels.py RESULTS_DIR [--budget-s 90] [--sections peaks,moe,mla,gemv,sweep]
+    python benchmarks/gpu_kernels.py RESULTS_DIR [--budget-s 90] [--sections peaks,moe,mla,gemv,sweep,prefill]
+                                                 [--tuning-out FILE.json]
     python benchmarks/gpu_kernels.py RESULTS_DIR --tiny     # logic check on CPU in Triton's interpreter
+    python benchmarks/gpu_kernels.py RESULTS_DIR --dry-run  # arguments and imports only
 Each section writes RESULTS_DIR/kernels_<section>.md (and kernels.json) as soon as it is measured.
 """
 from __future__ import annotations
@@ -42,11 +48,11 @@ import torch.nn.functional as F
 V3 = dict(hidden=7168, inter=2048, experts=256, top_k=8, slots=64, heads=128, kv_lora_rank=512, rope_dim=64,
           contexts=(4096, 32768, 131072), batches=(1, 8, 32), gemv=((7168, 2048), (2048, 7168)), gemv_rows=(1, 16),
           copies=64, sdpa_max_context=8192, sdpa_max_batch=8, copy_bytes=2 << 30, matmul=8192,
-          reps=5, max_calls=16)
+          reps=5, max_calls=16, prefill_tokens=(512, 2048))
 TINY = dict(hidden=72, inter=40, experts=16, top_k=4, slots=8, heads=4, kv_lora_rank=32, rope_dim=8,
             contexts=(40, 130), batches=(1, 3), gemv=((40, 72), (72, 40)), gemv_rows=(1, 5),
             copies=2, sdpa_max_context=64, sdpa_max_batch=2, copy_bytes=1 << 20, matmul=128,
-            reps=1, max_calls=2)
+            reps=1, max_calls=2, prefill_tokens=(24,))
 # V3's softmax scale: 192^-0.5 * mscale^2, mscale = 0.1 * ln(40) + 1 (YaRN factor 40, mscale_all_dim 1)
 MLA_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2
 L2_DEFEAT_BYTES = 256 << 20   # rotate through copies until this many bytes separate two reads of one copy
@@ -62,6 +68,7 @@ class Bench:
         self.results: dict[str, list[dict]] = {}
         self.copy_gbs: float | None = None
         self.matmul_tflops: float | None = None
+        self.tuning: dict = {}                 # the sweep's choices
         out.mkdir(parents=True, exist_ok=True)
 
     def left_s(self) -> float:
@@ -236,7 +243,7 @@ def section_moe(b: Bench, S: dict):
     hidden, inter, slots = S["hidden"], S["inter"], S["slots"]
     dtype = torch.bfloat16
     rows = []
-    for name in ("int4", "fp8", "bf16"):
+    for name in ("int4", "fp8", "int4g32", "bf16"):
         if b.left_s() < 15:
             print(f"  moe: budget spent, skipping {name}", file=sys.stderr)
             break
@@ -276,7 +283,8 @@ def section_moe(b: Bench, S: dict):
             ["GPU us: calls replayed from a CUDA graph; eager us: Python launches included (2 kernels per call)",
              f"% of copy peak: time to read the experts' blobs at the measured copy bandwidth "
              f"({b.copy_gbs or 0:.0f} GB/s) over the kernel's time",
-             "twin: fused_moe_ref (dequantize each expert to bf16, then matmuls, combine in bf16)"])
+             "twin: fused_moe_ref (dequantize each expert to bf16, then matmuls, combine in bf16)",
+             "int4: group 128; int4g32: Kimi-K2-Thinking / K2.5's released experts (symmetric, group 32, bf16 scales)"])
 
 
 def section_mla(b: Bench, S: dict):
@@ -386,56 +394,117 @@ def section_gemv(b: Bench, S: dict):
              "cuBLAS bf16: F.linear on bf16 copies of the same shape (4x the int4 bytes, 2x the fp8 bytes)"])
 
 
-def section_sweep(b: Bench, S: dict):
-    """A few tile configurations at M = 1, while the budget lasts: data for the defaults."""
-    from dsv3lite.kernels.fused_moe import fused_moe
-    from dsv3lite.kernels.quant_matmul import w4a16_matmul
+def _sweep_calls(kernel: str, S: dict, device):
+    """(calls of `kernel` at batch 1 on rotating weights, weight bytes a call reads, a check against the twin)."""
+    from dsv3lite.kernels.fused_moe import fused_moe, fused_moe_ref
+    from dsv3lite.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
     from dsv3lite.quant.formats import get_format
 
-    hidden, inter, slots = S["hidden"], S["inter"], S["slots"]
-    configs = [dict(), dict(block_n=32, block_d=32), dict(num_warps=8), dict(use_dot=True), dict(block_k=256)]
-    rows = []
-    for name in ("int4", "fp8"):
-        fmt = get_format(name, 128)
-        layout = fmt.layout(inter, hidden)
-        real = _expert_blobs(fmt, inter, hidden, 1, b.device)[0]
-        pool = real.expand(slots, -1).contiguous()
-        slot_of_expert = torch.full((S["experts"],), -1, dtype=torch.int32)
-        slot_of_expert[:slots] = torch.arange(slots, dtype=torch.int32)
-        slot_of_expert = slot_of_expert.to(b.device)
-        x = torch.randn(1, hidden, device=b.device, dtype=torch.bfloat16)
-        routes = [_moe_routing(1, i, S, b.device) for i in range(max(1, min(S["max_calls"], slots // S["top_k"])))]
-        nbytes = S["top_k"] * layout.blob_bytes
-        for cfg in configs:
-            if name == "fp8" and cfg.get("block_k", 0) > 128:
-                continue
-            if b.left_s() < 6:
-                break
-            calls = [partial(fused_moe, x, r[0], r[1], slot_of_expert, pool, layout, **cfg) for r in routes]
-            t = b.gpu_ms(calls) or b.eager_ms(calls)
-            rows.append([f"fused_moe {name}", cfg or "default", ms_us(t), nbytes / t / 1e6,
-                         None if not b.copy_gbs else 100 * nbytes / t / 1e6 / b.copy_gbs])
-        del pool
-        free()
-    if b.left_s() >= 6:
-        copies, nbytes, _ = _gemv_weights("int4", *S["gemv"][0], S, b.device)
+    if kernel == "gemv":
+        copies, nbytes, _ = _gemv_weights("int4", *S["gemv"][0], S, device)
         k = S["gemv"][0][1]
-        x = torch.randn(1, k, device=b.device, dtype=torch.bfloat16)
-        for cfg in (dict(), dict(block_n=64), dict(split_k=1), dict(num_warps=8), dict(block_k=256)):
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        calls = [partial(w4a16_matmul, x, *c, k=k, group_size=128) for c in copies[:S["max_calls"] * 4]]
+        return calls, nbytes, lambda: (calls[0](), w4a16_matmul_ref(x, *copies[0], k, 128))
+    hidden, inter, slots = S["hidden"], S["inter"], S["slots"]
+    fmt = get_format("int4", 128)
+    layout = fmt.layout(inter, hidden)
+    pool = _expert_blobs(fmt, inter, hidden, 1, device)[0].expand(slots, -1).contiguous()
+    slot_of_expert = torch.full((S["experts"],), -1, dtype=torch.int32)
+    slot_of_expert[:slots] = torch.arange(slots, dtype=torch.int32)
+    slot_of_expert = slot_of_expert.to(device)
+    x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
+    routes = [_moe_routing(1, i, S, device) for i in range(max(1, min(S["max_calls"], slots // S["top_k"])))]
+    args = lambda r: (x, r[0], r[1], slot_of_expert, pool, layout)   # noqa: E731
+    nbytes = S["top_k"] * layout.blob_bytes
+    return [partial(fused_moe, *args(r)) for r in routes], nbytes, \
+        lambda: (fused_moe(*args(routes[0])), fused_moe_ref(*args(routes[0])))
+
+
+def section_sweep(b: Bench, S: dict):
+    """Each batch-1 kernel's candidate configurations (kernels/tuning.py) against its default, while the budget
+    lasts; the fastest of each, when it beats the default by more than 3%, goes into tuning.json (--tuning-out),
+    which later stages and runs take with DSV3LITE_TUNING."""
+    from dsv3lite.kernels import tuning
+
+    rows, chosen = [], {}
+    for kernel, candidates in tuning.CANDIDATES.items():
+        if b.left_s() < 8:
+            print(f"  sweep: budget spent, skipping {kernel}", file=sys.stderr)
+            break
+        calls, nbytes, check = _sweep_calls(kernel, S, b.device)
+        timed = []
+        for knobs in [{}] + candidates:
             if b.left_s() < 4:
                 break
-            calls = [partial(w4a16_matmul, x, *c, k=k, group_size=128, **cfg) for c in copies[:S["max_calls"] * 4]]
-            t = b.gpu_ms(calls) or b.eager_ms(calls)
-            rows.append([f"w4a16 {S['gemv'][0][0]}x{k}", cfg or "default", ms_us(t), nbytes / t / 1e6,
-                         None if not b.copy_gbs else 100 * nbytes / t / 1e6 / b.copy_gbs])
-        del copies
+            with tuning.trying(kernel, "rows", knobs):
+                try:
+                    got, want = check()
+                    err, ok = b.check(f"sweep {kernel} {knobs}", got, want, 5e-2)
+                    t = b.gpu_ms(calls) or b.eager_ms(calls)
+                except Exception as e:                  # a candidate that fails is reported, never chosen
+                    rows.append([kernel, knobs or "default", None, None, None, f"{type(e).__name__}: {e}"[:80], False])
+                    continue
+            timed.append((t, knobs, ok))
+            rows.append([kernel, knobs or "default", ms_us(t), nbytes / t / 1e6,
+                         None if not b.copy_gbs else 100 * nbytes / t / 1e6 / b.copy_gbs, err, ok])
+        default = next((t for t, k, ok in timed if not k), None)
+        best = min(((t, k) for t, k, ok in timed if ok and k), default=None, key=lambda tk: tk[0])
+        if default is not None and best is not None and best[0] < 0.97 * default:
+            chosen[kernel] = {"rows": best[1]}
         free()
-    b.table("sweep", "Tile configurations at M = 1 (GPU time; the first row of each kernel is the default)",
-            ["kernel", "config", "GPU us", "GB/s", "% of copy peak"], rows)
+    b.tuning = chosen
+    b.table("sweep", "Batch-1 configurations (GPU time; the first row of each kernel is the default; int4, bf16)",
+            ["kernel", "config", "GPU us", "GB/s", "% of copy peak", "max err (rel)", "check"], rows,
+            [f"chosen (tuning.json, DSV3LITE_TUNING): {json.dumps(chosen) if chosen else 'the defaults'}",
+             "fused_moe rows time the whole layer (both launches) with the candidate on one of them"])
+
+
+def section_prefill(b: Bench, S: dict):
+    """The grouped kernels against the dequantizing path they replace, one MoE layer of a prompt."""
+    from dsv3lite.kernels.fused_moe import fused_moe_grouped, fused_moe_grouped_ref
+    from dsv3lite.quant.formats import get_format
+
+    hidden, inter, experts, top_k = S["hidden"], S["inter"], S["experts"], S["top_k"]
+    rows = []
+    for name in ("int4", "fp8", "int4g32"):
+        if b.left_s() < 10:
+            break
+        fmt = get_format(name, 128)
+        layout = fmt.layout(inter, hidden)
+        real = _expert_blobs(fmt, inter, hidden, 2, b.device)
+        pool = torch.stack([real[e % 2] for e in range(experts)])         # every expert of the layer resident
+        del real
+        slot_of_expert = torch.arange(experts, dtype=torch.int32, device=b.device)
+        for tokens in S["prefill_tokens"]:
+            if b.left_s() < 8:
+                break
+            gen = torch.Generator().manual_seed(tokens)
+            ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(b.device)
+            weights = (torch.rand(tokens, top_k, generator=gen) + 0.1).to(b.device)
+            x = torch.randn(tokens, hidden, device=b.device, dtype=torch.bfloat16)
+            args = (x, ids, weights, slot_of_expert, pool, layout)
+            got, want = fused_moe_grouped(*args), fused_moe_grouped_ref(*args)
+            err, ok = b.check(f"grouped {name} {tokens} tokens", got, want, 5e-2)
+            del got, want
+            t = b.eager_ms([partial(fused_moe_grouped, *args)], reps=3)
+            twin = b.eager_ms([partial(fused_moe_grouped_ref, *args)], reps=1, warmup=1)
+            flops = 2 * 3 * tokens * top_k * hidden * inter
+            rows.append([name, tokens, len(set(ids.flatten().tolist())), t, twin, twin / t, flops / t / 1e9,
+                         None if not b.matmul_tflops else 100 * flops / t / 1e9 / b.matmul_tflops, err, ok])
+        del pool
+        free()
+    b.table("prefill", f"Routed experts of one MoE layer over a prompt ({experts} experts, top-{top_k}, D={hidden}, "
+            f"I={inter}, bf16): grouped kernels vs dequantizing each expert",
+            ["format", "tokens", "experts hit", "grouped ms", "dequantizing ms", "speedup", "TFLOP/s",
+             "% of bf16 matmul peak", "max err (rel)", "check"], rows,
+            ["grouped: fused_moe_grouped (expert-major tiles, weights decoded in registers, no host sync); "
+             "dequantizing: fused_moe_grouped_ref, the path prefill took before (each expert dequantized through "
+             "fp32, then matmuls)"])
 
 
 SECTIONS = {"peaks": section_peaks, "moe": section_moe, "mla": section_mla, "gemv": section_gemv,
-            "sweep": section_sweep}
+            "sweep": section_sweep, "prefill": section_prefill}
 
 
 def _device_name(b: Bench) -> str:
@@ -451,20 +520,31 @@ def main() -> int:
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, in this order")
     ap.add_argument("--budget-s", type=float, default=90.0, help="soft time limit: later work is skipped past it")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU in Triton's interpreter (logic check)")
+    ap.add_argument("--tuning-out", type=Path, help="where the sweep writes its choices (JSON for DSV3LITE_TUNING)")
+    ap.add_argument("--dry-run", action="store_true", help="check the arguments and imports, measure nothing")
     args = ap.parse_args()
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         print(f"gpu_kernels.py: unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
-    if not args.tiny and not torch.cuda.is_available():
-        print("gpu_kernels.py: needs a CUDA GPU (torch.cuda.is_available() is False); "
-              "run with --tiny for a logic check on CPU", file=sys.stderr)
-        return 2
     try:
         import triton
     except ImportError:
         print("gpu_kernels.py: needs Triton (pip install triton)", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        import dsv3lite.kernels.fused_moe, dsv3lite.kernels.mla_decode, dsv3lite.kernels.quant_matmul  # noqa: F401
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"kernels_{'_'.join(sections)}.md").write_text(
+            f"### kernels (dry run): sections {', '.join(sections)}, budget {args.budget_s:.0f} s\n")
+        if args.tuning_out is not None:
+            args.tuning_out.write_text("{}\n")         # what a sweep that keeps the defaults writes
+        print(f"gpu_kernels.py: dry run: sections {', '.join(sections)}")
+        return 0
+    if not args.tiny and not torch.cuda.is_available():
+        print("gpu_kernels.py: needs a CUDA GPU (torch.cuda.is_available() is False); "
+              "run with --tiny for a logic check on CPU", file=sys.stderr)
         return 2
 
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -492,6 +572,8 @@ def main() -> int:
                 f.write(f"### {name}: FAILED\n\n```\n{traceback.format_exc()[-3000:]}\n```\n\n")
             free()
         print(f"== {name}: {time.time() - t0:.1f} s", flush=True)
+    if args.tuning_out is not None and "sweep" in sections:
+        args.tuning_out.write_text(json.dumps(b.tuning, indent=1) + "\n")
     summary = [f"total {time.time() - b.start:.1f} s"] + [f"check failed: {f}" for f in b.failures] + \
               [f"section failed: {e}" for e in errors]
     with (args.out / "kernels_env.md").open("a") as f:

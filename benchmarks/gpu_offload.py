@@ -15,6 +15,7 @@ popularity skew. Measured side by side in one process:
 
     python benchmarks/gpu_offload.py RESULTS_DIR [--layers 4] [--quick]
     python benchmarks/gpu_offload.py RESULTS_DIR --device cpu --tiny     # logic check without a GPU
+    python benchmarks/gpu_offload.py RESULTS_DIR --dry-run               # arguments and imports only
 Each stage writes its table to RESULTS_DIR/offload_<stage>.md as soon as it is measured.
 """
 from __future__ import annotations
@@ -323,7 +324,15 @@ def main():
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (logic check on CPU)")
     ap.add_argument("--stages", default="copy,decode,accelerate,mtp")
+    ap.add_argument("--dry-run", action="store_true", help="check the arguments and imports, measure nothing")
     a = ap.parse_args()
+    if a.dry_run:
+        import dsv3lite.offload.runtime  # noqa: F401
+        from dsv3lite.quant.formats import get_format  # noqa: F401
+
+        Results(a.out).table("dry_run", f"offload (dry run): stages {a.stages}, {a.layers} layers", ["fractions"],
+                             [[a.fractions]])
+        return
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_offload.py: no CUDA device (use --device cpu --tiny for a logic check)")

@@ -447,6 +447,7 @@ def trace(prompt, out, trace_lookahead, **o):
     try:
         rec.write(out_path, {"weights": llm.weights, "n_experts": a.n_routed_experts, "top_k": a.num_experts_per_tok,
                              "moe_layers": layers, "lookahead": trace_lookahead,
+                             "token_layers": sorted(llm.model.token_route_tables()),
                              "prompt_tokens": stats["prompt_tokens"], "generated": stats["generated_tokens"]})
     except OSError as e:
         raise UserError(f"cannot write trace file {out_path}: {e.strerror or e}") from None

@@ -4,9 +4,9 @@
 `BlobExperts` holds every expert of one layer resident as [n_experts, blob_bytes] uint8 in one of the
 quant formats; the offloading runtime's provider reads the same blobs from its slot pool, so both give
 the same bits for the same expert. Where kernels run (CUDA), decode steps go through the fused MoE
-kernel with the blobs as the slot pool (slot e = expert e). On CPU every call (decode, MTP verification, prefill)
-is one call of the compiled CPU kernel for all of the layer's selected experts (kernels/cpu_experts.py), where
-there is one; else each expert through its format's path.
+kernel with the blobs as the slot pool (slot e = expert e), prompts through its grouped (expert-major) kernels.
+On CPU every call (decode, MTP verification, prefill) is one call of the compiled CPU kernel for all of the layer's
+selected experts (kernels/cpu_experts.py), where there is one; else each expert through its format's path.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch import nn
 from .config import ModelArgs
 from .errors import UserError
 from .kernels import cpu_experts, dispatch
-from .kernels.fused_moe import fused_moe
+from .kernels.fused_moe import fused_moe, fused_moe_grouped
 from .limits import FUSED_MAX_TOKENS
 from .moe import combine_experts
 from .quant.layout import BlobLayout, ExpertFormat
@@ -126,9 +126,11 @@ class BlobExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and cpu_experts.available(self.layout, self.limit):
             return self._cpu(x, ids, weights)
-        if x.shape[0] <= FUSED_MAX_TOKENS and self.fmt.fused_kernel and dispatch.use_kernels(x.device) and \
-                self.limit is None:
-            return fused_moe(x, ids, weights, self.slot_table, self.blobs, self.layout)
+        if self.fmt.fused_kernel and dispatch.use_kernels(x.device) and self.limit is None:
+            if x.shape[0] <= FUSED_MAX_TOKENS:
+                return fused_moe(x, ids, weights, self.slot_table, self.blobs, self.layout)
+            # prefill: expert-major on tensor cores, weights decoded in registers, no read of the routing
+            return fused_moe_grouped(x, ids, weights, self.slot_table, self.blobs, self.layout)
         return combine_experts(self.expert, x, ids, weights)
 
     def graph_safe(self, device: torch.device) -> bool:

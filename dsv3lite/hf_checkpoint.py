@@ -131,18 +131,16 @@ def map_name(ckpt_name: str, args: ModelArgs) -> Target | None:
     return None
 
 
-def component_of(ckpt_name: str, args) -> str | None:
+def component_of(ckpt_name: str, args, names=map_name) -> str | None:
     """The footprint component a checkpoint tensor (or its FP8 scale, or a quantized layer's expert blobs) counts
     in: embeddings | lm_head | attention+norms | dense MLPs | routers | shared experts | routed experts |
-    MTP (non-expert) | MTP routed experts; None for a tensor the model does not read. Any family: its own name
-    table (family.py) gives the module, whose names are the same words in every family."""
-    from .family import family_of
-
+    MTP (non-expert) | MTP routed experts; None for a tensor the model does not read. Any family: `names` is its
+    name table (family.py's map_name), whose module names use the same words in every family."""
     base = ckpt_name.removesuffix("_scale_inv")
     if base.endswith(BLOBS_SUFFIX):
         m = _LAYER_RE.match(base)
         return "MTP routed experts" if m and int(m.group(1)) == args.mtp_layer_id else "routed experts"
-    target = family_of(args).map_name(base, args)
+    target = names(base, args)
     if target is None:
         return None
     name = target.name
@@ -333,13 +331,6 @@ def has_weights(root: Path) -> bool:
     """Whether `root` holds any safetensors weights (or an index naming them) at all."""
     root = Path(root)
     return (root / "model.safetensors.index.json").exists() or any(root.glob("*.safetensors"))
-
-
-def has_mtp(root: Path, args: ModelArgs) -> bool:
-    """Whether the checkpoint at `root` carries the MTP layer its config declares (its family's mtp_status)."""
-    from .family import family_of
-
-    return args.num_nextn_predict_layers >= 1 and family_of(args).mtp_status(CheckpointIndex.open(root), args)[0]
 
 
 # ---- reading tensors --------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def inventory(root: Path, dense: str | None = None) -> Inventory:
     params = {k: getattr(fp, attr) for k, attr in COMPONENTS.items()
               if tier.with_mtp or k not in MTP_COMPONENTS}
     if tier.weights_here:
-        sizes, dtypes = _stored_bytes(root, a)
+        sizes, dtypes = _stored_bytes(root, a, family.map_name)
         stored = "as stored: " + ", ".join(dtypes)
     else:                                                 # bf16, the routed experts as the tier's blobs
         blob = tier.source.layout.blob_bytes
@@ -77,14 +77,14 @@ def inventory(root: Path, dense: str | None = None) -> Inventory:
     return Inventory(a, fp, params, sizes, stored, tier)
 
 
-def _stored_bytes(root: Path, args: ModelArgs) -> tuple[dict[str, int], list[str]]:
+def _stored_bytes(root: Path, args: ModelArgs, names) -> tuple[dict[str, int], list[str]]:
     """(component -> bytes of its tensors in the checkpoint's files, the dtypes found, most bytes first)."""
     from .hf_checkpoint import CheckpointIndex, component_of
 
     sizes: dict[str, int] = {}
     by_dtype: dict[str, int] = {}
     for name, meta in CheckpointIndex.open(root).headers().items():
-        component = component_of(name, args)
+        component = component_of(name, args, names)
         if component is None:
             continue
         begin, end = meta["data_offsets"]

@@ -18,7 +18,7 @@ from torch import nn
 from .config import ModelArgs
 from .dense import PackedLinear, check_dense, packable
 from .errors import UserError
-from .hf_checkpoint import (FP32_MODULE_SUFFIXES, CheckpointIndex, TensorReader, check_layer_count,
+from .hf_checkpoint import (FP32_MODULE_SUFFIXES, CheckpointIndex, TensorReader,
                             checkpoint_name, is_scale_name, map_name, mtp_status, unplaced_note, unscaled_integer)
 from .model import Transformer
 from .quant.fp8 import fp8_block_dequant
@@ -97,8 +97,9 @@ class Loader:
         check_dense(self.dense, torch.device(self.device))
         args = args or ModelArgs.from_dir(self.root)
         index = CheckpointIndex.open(self.root)
-        check_layer_count(index, args)
-        with_mtp, notice = self.mtp_status(index, args) if mtp else (False, None)
+        with_mtp, notice = self.mtp_status(index, args)       # (the family's checks of the checkpoint's depth)
+        if not mtp:
+            with_mtp, notice = False, None
         self.skip_mtp = not with_mtp
         for note in (notice, index.skipped_note(), unplaced_note(index, args, self.map_name)):
             if note:

@@ -44,6 +44,13 @@ def use_kernels(device: torch.device | str) -> bool:
     return interpreted() and mode == "triton"
 
 
+def capability(device: torch.device | str) -> tuple[int, int] | None:
+    """(major, minor) compute capability of a CUDA device; None elsewhere (the interpreter)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_capability(device)
+    return None
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a nominal 8 in the interpreter, so split heuristics still split)."""

@@ -19,6 +19,7 @@ from .dispatch import jit as _jit, tl, triton
 MAX_QUERIES = 4           # new tokens per sequence the kernel takes (a decode step plus MTP drafts)
 _MIN_SPLIT_TOKENS = 128   # a split shorter than this costs more to merge than it saves
 _MAX_SPLITS = 64
+MERGE_ROWS, MERGE_COLS = 4, 64   # merge tile: DeepSeek-V3's 128 heads x 512 latents merge on 256 programs
 _LOG2E = 1.4426950408889634
 
 
@@ -169,6 +170,8 @@ def _mla_decode_merge_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_S: tl.constexpr,
     SPARSE: tl.constexpr,                # splits divide the index lists (index_count entries), not the sequence
 ):
+    # program (b, block of BLOCK_H rows, block of BLOCK_DL latent columns): small tiles, so that a sequence's merge
+    # runs on enough programs to keep the GPU busy (BLOCK_N: the split kernel's, for the split length)
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = rows < num_rows
@@ -187,28 +190,33 @@ def _mla_decode_merge_kernel(
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     total = tl.sum(tl.exp(lse_all - lse_max[:, None]), 1)
 
-    offs_dl = tl.arange(0, BLOCK_DL)
+    offs_dl = tl.program_id(2) * BLOCK_DL + tl.arange(0, BLOCK_DL)
     mask = row_ok[:, None] & (offs_dl[None, :] < kv_lora_rank)
     out_rows = part_out_ptr + b * stride_pob + rows[:, None] * stride_por + offs_dl[None, :]
     acc = tl.zeros([BLOCK_H, BLOCK_DL], tl.float32)
     for j in range(0, used):
         weight = tl.exp(tl.load(lse_rows + j * stride_pls, mask=row_ok, other=float("-inf")) - lse_max)
-        acc += weight[:, None] * tl.load(out_rows + j * stride_pos, mask=mask, other=0.0)
+        acc += weight[:, None] * tl.load(out_rows + j * stride_pos, mask=mask, other=0.0).to(tl.float32)
 
     has_keys = total > 0.0
     out = acc / tl.where(has_keys, total, 1.0)[:, None]
-    lse = tl.where(has_keys, lse_max + tl.log(tl.where(has_keys, total, 1.0)), float("-inf"))
     tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_or + offs_dl[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + b * stride_lb + rows * stride_lr, lse, mask=row_ok)
+    if tl.program_id(2) == 0:
+        lse = tl.where(has_keys, lse_max + tl.log(tl.where(has_keys, total, 1.0)), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + rows * stride_lr, lse, mask=row_ok)
 
 
-def _block_sizes(kv_lora_rank: int, rope_dim: int) -> tuple[int, int, int, int]:
-    # 16 is the smallest M/K of a 16-bit tl.dot; widths pad to powers of two and are masked
+def _split_config(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> dict:
+    """The split kernel's blocks, warps and stages. 16 is the smallest M/K of a 16-bit tl.dot; widths pad to powers
+    of two and are masked. A 16 x 512 fp32 accumulator spills at 4 warps: 8 for wide latents. A K tile of 32 rows of
+    512 fp32 values in two stages takes 112,704 B of shared memory, past the 101,376 of sm_86 / sm_89: fp32 reads 16
+    rows a tile, in one stage (two spill on sm_80; tests/test_gpu_compile.py)."""
     block_dl = max(16, triton.next_power_of_2(kv_lora_rank))
-    block_dpe = max(16, triton.next_power_of_2(rope_dim))
-    block_n = 32 if block_dl >= 256 else 64
-    return 16, block_n, block_dl, block_dpe
+    wide, fp32 = block_dl >= 256, dtype == torch.float32
+    return dict(BLOCK_H=16, BLOCK_N=64 if not wide else (16 if fp32 else 32), BLOCK_DL=block_dl,
+                BLOCK_DPE=max(16, triton.next_power_of_2(rope_dim)), num_warps=8 if wide else 4,
+                num_stages=1 if wide and fp32 else 2)
 
 
 def max_splits(context: int) -> int:
@@ -216,10 +224,14 @@ def max_splits(context: int) -> int:
     return max(1, min(context // _MIN_SPLIT_TOKENS, _MAX_SPLITS))
 
 
-def _auto_num_splits(batch: int, row_blocks: int, context: int, device: torch.device) -> int:
-    """About two waves of programs over the GPU, within max_splits(context)."""
+def _auto_num_splits(batch: int, row_blocks: int, context: int, rows: int, kv_lora_rank: int, dk: int,
+                     device: torch.device) -> int:
+    """About two waves of programs over the GPU, within max_splits(context), and no more splits than keep the
+    partial outputs (written and read once each, rows x kv_lora_rank per split, in the cache's dtype) within half
+    the bytes of the cache rows they summarise (context x dk)."""
     wanted = -(-2 * dispatch.sm_count(device) // (batch * row_blocks))
-    return max(1, min(wanted, max_splits(context)))
+    by_bytes = context * dk // (2 * rows * kv_lora_rank)
+    return max(1, min(wanted, max_splits(context), by_bytes))
 
 
 def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tensor, softmax_scale: float,
@@ -257,17 +269,17 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tenso
         assert indices.stride(2) == 1, "indices must be contiguous along K"
     index_count = indices.shape[2] if sparse else 0
 
-    block_h, block_n, block_dl, block_dpe = _block_sizes(kv_lora_rank, rope_dim)
+    cfg = _split_config(kv_lora_rank, rope_dim, q.dtype)
+    block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
     row_blocks = triton.cdiv(rows, block_h)
     # sparse: one query per program, so each query's heads get their own row blocks
     split_blocks = sq * triton.cdiv(heads, block_h) if sparse else row_blocks
     if num_splits is None:
-        num_splits = _auto_num_splits(batch, split_blocks,
-                                      index_count if sparse else context or latent_cache.shape[1], q.device)
+        num_splits = _auto_num_splits(batch, split_blocks, index_count if sparse else context or latent_cache.shape[1],
+                                      rows, kv_lora_rank, dk, q.device)
     assert isinstance(num_splits, int) and 1 <= num_splits <= _MAX_SPLITS, (
         f"num_splits must be an int in 1..{_MAX_SPLITS}, got {num_splits!r}")
     upcast = dispatch.interpreted()
-    num_warps = 8 if block_dl >= 256 else 4   # a 16 x 512 fp32 accumulator spills at 4 warps
     precision = "ieee" if (upcast or q.dtype == torch.float32) else "tf32"
 
     out = torch.empty(batch, sq, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
@@ -275,7 +287,8 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tenso
     if num_splits == 1:   # one split is already the answer: stage 1 writes out and lse directly
         part_out, part_lse = out.view(batch, rows, 1, kv_lora_rank), lse.view(batch, rows, 1)
     else:
-        part_out = torch.empty(batch, rows, num_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
+        # each split's output normalised, in q's dtype (half the bytes of fp32; the merge adds in fp32)
+        part_out = torch.empty(batch, rows, num_splits, kv_lora_rank, dtype=q.dtype, device=q.device)
         part_lse = torch.empty(batch, rows, num_splits, dtype=torch.float32, device=q.device)
 
     index_arg = indices if sparse else seqlens            # a placeholder pointer when dense (never read)
@@ -288,19 +301,18 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, seqlens: torch.Tenso
         indices.stride(0) if sparse else 0, indices.stride(1) if sparse else 0,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DL=block_dl, BLOCK_DPE=block_dpe,
-        SPARSE=sparse, UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=2,
+        SPARSE=sparse, UPCAST=upcast, DOT_PRECISION=precision, **cfg,
     )
     if num_splits > 1:
-        _mla_decode_merge_kernel[(batch, row_blocks)](
+        _mla_decode_merge_kernel[(batch, triton.cdiv(rows, MERGE_ROWS), triton.cdiv(kv_lora_rank, MERGE_COLS))](
             part_out, part_lse, seqlens, out, lse,
             rows, num_splits, kv_lora_rank, index_count,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             out.stride(0), kv_lora_rank,
             lse.stride(0), 1,
-            BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DL=block_dl, BLOCK_S=triton.next_power_of_2(num_splits),
-            SPARSE=sparse, num_warps=num_warps,
+            BLOCK_H=MERGE_ROWS, BLOCK_N=block_n, BLOCK_DL=MERGE_COLS, BLOCK_S=triton.next_power_of_2(num_splits),
+            SPARSE=sparse, num_warps=2,
         )
     return out, lse
 

@@ -10,7 +10,7 @@ import torch
 import dsv3lite
 from dsv3lite.executors import graphs
 from dsv3lite.executors.graphs import DecodeGraphs, eager_capture
-from dsv3lite.testing import offload_budget, write_geometry_checkpoint
+from dsv3lite.testing import HostReads, offload_budget, write_geometry_checkpoint
 
 EAGER_STEP = True                 # the reference step is the eager model path (conftest.py), not the C++ step
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -239,40 +239,6 @@ def test_the_workspace_estimate_covers_what_the_graphs_hold(demo):
     held = {t.data_ptr(): t.numel() * t.element_size() for t in runner._keep
             if isinstance(t, torch.Tensor) and t.data_ptr() != cache.data_ptr()}
     assert 0 < sum(held.values()) <= decode_graph_bytes(demo.args, demo.ctx_size, cache.element_size())
-
-
-HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.equal", "aten.is_nonzero", "aten.nonzero",
-              "aten.argwhere", "aten.masked_select", "aten._unique", "aten.unique", "aten.bincount",
-              "aten.repeat_interleave.Tensor", "aten.lift_fresh")
-
-
-class HostReads:
-    """Records the operators that a CUDA graph cannot hold, run under it: reads of tensor data to the host
-    (.item(), .tolist(), bool(t)), data-dependent shapes, and tensors made from host values (a copy from
-    pageable memory inside a capture)."""
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        found = self.found = []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func)
-                if name.startswith(HOST_READS):
-                    found.append(name)
-                return func(*args, **(kwargs or {}))
-        self.mode = Mode
-
-    def capture(self, fn):
-        with self.mode():
-            static = {k: v.clone() for k, v in fn().items()}
-
-        def replay():
-            with self.mode():
-                for k, v in fn().items():
-                    static[k].copy_(v)
-        return static, replay
 
 
 def test_captured_work_reads_nothing_back_to_the_host(monkeypatch, v3_dir):

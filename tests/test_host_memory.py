@@ -28,6 +28,87 @@ def test_requested_bytes_equal_the_data_for_uneven_layer_sizes():
     assert released == [ptr]
 
 
+def test_registration_lasts_while_any_view_of_the_memory_lives():
+    # a pinned chunk handed out as rows (host_memory.HotExperts): the rows outlive the chunk's own tensor
+    registered, released = {}, []
+    chunk = pinned_empty((4, 1000), lambda ptr, n: registered.__setitem__(ptr, n) or 0, released.append)
+    rows = [chunk[i] for i in range(4)]
+    ptr = chunk.data_ptr()
+    del chunk
+    gc.collect()
+    assert released == []                        # the rows still read pinned memory
+    rows[2].fill_(7)
+    assert int(rows[2].sum()) == 7000
+    del rows
+    gc.collect()
+    assert released == [ptr] and registered == {ptr: 4000}
+
+
+def test_allocations_never_share_a_page():
+    import mmap
+
+    registered = []
+    small = [pinned_empty((n,), lambda ptr, size: registered.append((ptr, size)) or 0, lambda ptr: 0)
+             for n in (3, 5, 4096, 4097, 1)]
+    pages = [set(range(p // mmap.PAGESIZE, (p + n - 1) // mmap.PAGESIZE + 1)) for p, n in registered]
+    assert all(p % mmap.PAGESIZE == 0 for p, _ in registered)
+    assert all(not (a & b) for i, a in enumerate(pages) for b in pages[i + 1:])
+    assert [t.numel() for t in small] == [3, 5, 4096, 4097, 1]
+
+
+def test_registration_is_portable(monkeypatch):
+    from types import SimpleNamespace
+
+    from dsv3lite.offload import host_memory
+
+    calls = []
+    fake = SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: calls.append(flags) or 0,
+                           cudaHostUnregister=lambda ptr: 0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    pinned_empty((2, 64))
+    assert calls == [host_memory.CUDA_HOST_REGISTER_PORTABLE] == [1]       # cudaHostRegisterPortable
+
+
+def test_cgroup_memory_limits_are_read_from_the_tightest_level(tmp_path):
+    from dsv3lite.offload.host_memory import cgroup_memory
+
+    def write(path, **files):
+        path.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (path / name.replace("_", ".", 1)).write_text(text + "\n")
+
+    v2 = tmp_path / "v2"
+    write(v2, memory_max="max", memory_current="5000")
+    write(v2 / "user" / "job", memory_max="8000000000", memory_current="6000000000")     # 2 GB left
+    write(v2 / "user" / "job" / "step", memory_max="max", memory_current="100")
+    write(v2 / "user", memory_max="16000000000", memory_current="6500000000")          # 9.5 GB left
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/user/job/step\n")
+    assert cgroup_memory(str(proc), str(v2)) == (8_000_000_000, 6_000_000_000)
+    proc.write_text("0::/\n")
+    assert cgroup_memory(str(proc), str(v2)) is None                                   # no limit at the root
+    v1 = tmp_path / "v1"
+    write(v1 / "memory" / "docker" / "abc", memory_limit_in_bytes="4294967296", memory_usage_in_bytes="1073741824")
+    write(v1 / "memory", memory_limit_in_bytes="9223372036854771712", memory_usage_in_bytes="1")   # unlimited
+    proc.write_text("12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/docker/abc\n")
+    assert cgroup_memory(str(proc), str(v1)) == (4294967296, 1073741824)
+    assert cgroup_memory(str(tmp_path / "none"), str(v1)) is None
+
+
+def test_host_ram_budget_keeps_a_reserve_and_the_cgroup_limit(monkeypatch):
+    from types import SimpleNamespace
+
+    import psutil
+
+    from dsv3lite.offload.host_memory import HOST_RESERVE_MIN, host_ram_budget, host_reserve
+
+    gib = 2**30
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=900 * gib, total=1024 * gib))
+    assert host_ram_budget(cgroup=(2**62, 0)) == 900 * gib - 64 * gib             # 1/16 of a 1 TiB machine
+    assert host_ram_budget(cgroup=(100 * gib, 40 * gib)) == 60 * gib - 100 * gib // 16   # the container's room
+    assert host_reserve(16 * gib) == HOST_RESERVE_MIN == 2 * gib                    # at least 2 GiB
+
+
 def test_a_failed_registration_is_one_clear_line():
     with pytest.raises(UserError, match="cannot pin .* host memory"):
         pinned_empty((4, 1024), lambda ptr, n: 2, lambda ptr: 0)
@@ -251,14 +332,18 @@ def test_host_tier_follows_cpu_mem_and_host_ram(monkeypatch):
         return SimpleNamespace(mapped=mapped, layout=SimpleNamespace(blob_bytes=blob), fmt=SimpleNamespace(name="int4"),
                                layer_blobs=lambda l: torch.zeros(n, blob, dtype=torch.uint8))
 
-    ram = SimpleNamespace(available=setup.HOST_RESERVE_BYTES + 10 * total)
+    from dsv3lite.offload import host_memory
+
+    reserve = host_memory.HOST_RESERVE_MIN
+    ram = SimpleNamespace(available=reserve + 10 * total, total=16 * reserve)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: ram)
+    monkeypatch.setattr(host_memory, "cgroup_memory", lambda: None)
     cuda, cpu, log = torch.device("cuda"), torch.device("cpu"), []
     t = setup.host_tier(source(True), layers, cuda, total, None, log.append)
     assert t.pin_layers and t.mode == "mmap" and not t.hot_capacity
     t = setup.host_tier(source(True), layers, cuda, total, 5 * blob + 1, log.append)
     assert not t.pin_layers and t.hot_capacity == 5 and "the 5 most used experts (5.00 MiB) pinned" in log[-1]
-    ram.available = setup.HOST_RESERVE_BYTES + 3 * blob                  # RAM, not the cap, is what limits
+    ram.available = reserve + 3 * blob                                     # RAM, not the cap, is what limits
     t = setup.host_tier(source(True), layers, cuda, total, 5 * blob, log.append)
     assert t.hot_capacity == 3 and "host RAM allows 3.00 MiB" in log[-1]
     t = setup.host_tier(source(True), layers, cuda, total, None, log.append)

@@ -152,18 +152,30 @@ def test_kernel_dtypes(dtype):
 
 def test_kernel_automatic_splits_on_long_context():
     context = 2 * mla._MIN_SPLIT_TOKENS + 9
-    assert mla._auto_num_splits(1, 1, context, torch.device("cpu")) == 2
+    assert mla._auto_num_splits(1, 1, context, 4, 32, 40, torch.device("cpu")) == 2
     check_kernel([context])
 
 
 def test_auto_num_splits_bounds():
     cpu = torch.device("cpu")
-    assert mla._auto_num_splits(1, 1, 64, cpu) == 1                  # short context: one split
-    assert mla._auto_num_splits(64, 8, 100_000, cpu) == 1            # enough programs already
-    assert mla._auto_num_splits(1, 1, 10**7, cpu) <= mla._MAX_SPLITS
+    v3 = (128, 512, 576)                                                        # rows (heads), kv_lora_rank, Dk
+    assert mla._auto_num_splits(1, 1, 64, *v3, cpu) == 1                  # short context: one split
+    assert mla._auto_num_splits(64, 8, 100_000, *v3, cpu) == 1            # enough programs already
+    assert mla._auto_num_splits(1, 1, 10**7, *v3, cpu) <= mla._MAX_SPLITS
     for context in (200, 1000, 5000):
-        splits = mla._auto_num_splits(1, 8, context, cpu)
+        splits = mla._auto_num_splits(1, 8, context, *v3, cpu)
         assert splits >= 1 and context // splits >= mla._MIN_SPLIT_TOKENS
+
+
+def test_split_partials_stay_within_half_the_cache(monkeypatch):
+    # an H200 (132 SMs) would take 33 splits of a 4K V3 context for two waves; the partial outputs (rows x 512 per
+    # split) would then outweigh the 4096 x 576 cache rows they summarise
+    monkeypatch.setattr(mla.dispatch, "sm_count", lambda device: 132)
+    rows, rank, dk = 128, 512, 576
+    for context in (4096, 32768, 131072):
+        splits = mla._auto_num_splits(1, rows // 16, context, rows, rank, dk, torch.device("cpu"))
+        assert rows * rank * splits <= context * dk // 2, (context, splits)
+        assert splits >= min(8, mla.max_splits(context)), (context, splits)     # still enough programs
 
 
 def test_empty_sequence_gives_zeros_not_nan():
@@ -325,34 +337,6 @@ def test_sparse_rejects_bad_indices():
         mla.mla_decode(q, cache, lens, SCALE, 32, indices=idx.long())
     with pytest.raises(AssertionError, match="indices must be"):
         mla.mla_decode(q, cache, lens, SCALE, 32, indices=idx[:, :1])
-
-
-# --- the kernels compile for the H200's architecture ---------------------------------------------------
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
-def test_mla_decode_compiles_for_sm90():
-    from dsv3lite.testing import compile_for_sm90
-
-    pytest.importorskip("triton.backends.nvidia")
-    ints = ("num_rows", "num_heads", "num_queries", "kv_lora_rank", "rope_dim", "index_count", "stride_qb",
-            "stride_qr", "stride_cb", "stride_ct", "stride_ib", "stride_is", "stride_ob", "stride_or", "stride_os",
-            "stride_lb", "stride_lr", "stride_ls")
-    cases = []
-    for dtype in ("bf16", "fp32"):
-        for sparse in (False, True):
-            split = dict({k: "i32" for k in ints}, q_ptr="*" + dtype, cache_ptr="*" + dtype, seqlens_ptr="*i32",
-                         indices_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", scale_log2="fp32")
-            consts = dict(BLOCK_H=16, BLOCK_N=32, BLOCK_DL=512, BLOCK_DPE=64, SPARSE=sparse, UPCAST=False,
-                          DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
-            cases.append(("_mla_decode_split_kernel", split, consts))
-            merge = {k: "i32" for k in ("num_rows", "num_splits", "kv_lora_rank", "index_count", "stride_pob",
-                                        "stride_por", "stride_pos", "stride_plb", "stride_plr", "stride_pls",
-                                        "stride_ob", "stride_or", "stride_lb", "stride_lr")}
-            merge.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", seqlens_ptr="*i32", out_ptr="*" + dtype,
-                         lse_ptr="*fp32")
-            cases.append(("_mla_decode_merge_kernel", merge,
-                          dict(BLOCK_H=16, BLOCK_N=32, BLOCK_DL=512, BLOCK_S=8, SPARSE=sparse)))
-    compile_for_sm90("dsv3lite.kernels.mla_decode", cases)
 
 
 # --- dispatch ---------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """fused_moe: the two-launch Triton MoE kernel against its twin, and the twin against `combine_experts` over
-`BlobExperts` (the resident provider), for int4 / fp8 / bf16 blobs in a slot pool.
+`BlobExperts` (the resident provider), for int4 / int4g32 / fp8 / bf16 blobs in a slot pool.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (tests/conftest.py turns it on). Unused
 pool slots hold 0xFF bytes, NaN in every float view of the pool, so reading one shows up as NaN output.
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dsv3lite.experts import BlobExperts
+from dsv3lite.limits import FUSED_MAX_TOKENS as FUSED_MAX
 from dsv3lite.kernels import dispatch   # imports no triton
 from dsv3lite.quant.formats import get_format
 from dsv3lite.quant.int4 import Int4Format
@@ -279,34 +280,6 @@ def test_auto_sends_nf4_to_the_twin(monkeypatch):
     assert fm.fused_moe_auto(x, ids, weights, slots, pool, layout) == "twin"
 
 
-# --- the kernels compile for the H200's architecture ---------------------------------------------------
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
-def test_fused_moe_compiles_for_sm90():
-    from dsv3lite.testing import compile_for_sm90
-
-    pytest.importorskip("triton.backends.nvidia")
-    common = dict(wslot="i64", sslot="i64", M="i32", D="i32", I="i32", n_tiles="i32", stride_wn="i32",
-                  stride_sn="i32", stride_im="i32")
-    cases = []
-    for code, wtype, stype, group, block_k, xtype, use_dot in [
-            (0, "*u8", "*fp16", 128, 128, "bf16", False), (0, "*u8", "*fp16", 64, 128, "fp16", True),
-            (1, "*fp8e4nv", "*fp32", 128, 64, "bf16", False), (1, "*fp8e4nv", "*fp32", 128, 64, "fp32", False),
-            (2, "*bf16", "*bf16", 0, 64, "bf16", True), (4, "*u8", "*bf16", 32, 32, "bf16", False),
-            (4, "*u8", "*bf16", 32, 64, "bf16", True)]:
-        consts = dict(TOP_K=8, FMT=code, GROUP=group, BLOCK_M=16 if use_dot else 2, BLOCK_KE=8, BLOCK_N=16,
-                      BLOCK_K=block_k, USE_DOT=use_dot, UPCAST=False, PRECISION="ieee" if xtype == "fp32" else "tf32")
-        gate_up = dict(common, x_ptr="*" + xtype, ids_ptr="*i64", slot_ptr="*i32", wpool_ptr=wtype, spool_ptr=stype,
-                       h_ptr="*" + xtype, stride_xm="i32", gate_w="i32", gate_s="i32", gate_z="i32", up_w="i32",
-                       up_s="i32", up_z="i32")
-        down = dict(common, E="i32", h_ptr="*" + xtype, ids_ptr="*i64", weights_ptr="*fp32", slot_ptr="*i32",
-                    wpool_ptr=wtype, spool_ptr=stype, ext_ptr="*" + xtype, y_ptr="*" + xtype, stride_rm="i32",
-                    stride_ym="i32", down_w="i32", down_s="i32", down_z="i32")
-        cases.append(("_moe_gate_up_kernel", gate_up, consts))
-        cases.append(("_moe_down_kernel", down, dict(consts, HAS_EXTERNAL=code == 1)))
-    compile_for_sm90("dsv3lite.kernels.fused_moe", cases)
-
-
 # --- fp8 experts on GPUs without Triton's fp8 type (sm_80 / sm_86): bytes decoded with bit arithmetic ---
 
 @pytest.mark.parametrize("m,dtype", [(1, torch.float32), (2, torch.bfloat16)])
@@ -320,50 +293,147 @@ def test_fp8_byte_decode_matches_twin(monkeypatch, m, dtype):
     assert_close(f"fp8 bytes M={m}", got, want, TOLERANCES[dtype])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
-@pytest.mark.parametrize("arch", [80, 86, 89])
-def test_fused_moe_fp8_compiles_for_pre_hopper_gpus(arch):
-    from dsv3lite.kernels.quant_matmul import FMT_FP8, fp8_code_for
-    from dsv3lite.testing import compile_for_gpu
+# --- the grouped kernels (prefill): expert-major tiles on tensor cores ----------------------------------
 
-    pytest.importorskip("triton.backends.nvidia")
-    code = fp8_code_for((arch // 10, arch % 10))
-    wtype = "*fp8e4nv" if code == FMT_FP8 else "*u8"
-    common = dict(wslot="i64", sslot="i64", M="i32", D="i32", I="i32", n_tiles="i32", stride_wn="i32",
-                  stride_sn="i32", stride_im="i32")
-    consts = dict(TOP_K=8, FMT=code, GROUP=128, BLOCK_M=2, BLOCK_KE=8, BLOCK_N=16, BLOCK_K=64, USE_DOT=False,
-                  UPCAST=False, PRECISION="tf32")
-    gate_up = dict(common, x_ptr="*bf16", ids_ptr="*i64", slot_ptr="*i32", wpool_ptr=wtype, spool_ptr="*fp32",
-                   h_ptr="*bf16", stride_xm="i32", gate_w="i32", gate_s="i32", gate_z="i32", up_w="i32",
-                   up_s="i32", up_z="i32")
-    down = dict(common, E="i32", h_ptr="*bf16", ids_ptr="*i64", weights_ptr="*fp32", slot_ptr="*i32",
-                wpool_ptr=wtype, spool_ptr="*fp32", ext_ptr="*bf16", y_ptr="*bf16", stride_rm="i32",
-                stride_ym="i32", down_w="i32", down_s="i32", down_z="i32")
-    compile_for_gpu("dsv3lite.kernels.fused_moe", [("_moe_gate_up_kernel", gate_up, consts),
-                                                   ("_moe_down_kernel", down, dict(consts, HAS_EXTERNAL=True))], arch)
+@pytest.mark.parametrize("name,group,dtype", [
+    ("int4", 32, torch.float32), ("int4", 128, torch.float16), ("int4", 128, torch.bfloat16),
+    ("fp8", 128, torch.float32), ("fp8", 128, torch.bfloat16), ("bf16", 128, torch.float16),
+    ("int4g32", 32, torch.float32), ("int4g32", 32, torch.float16), ("int4g32", 32, torch.bfloat16),
+])
+def test_grouped_matches_twin(name, group, dtype):
+    # 40 tokens x 4 of 12 experts in tiles of 16 pairs: experts whose pairs fill several tiles, and part of one
+    ex = experts(name, group)
+    slot_of_expert, pool = ex.scattered_pool(seed=2)
+    x, ids, weights = routing(40, 4, dtype, seed=2)
+    got = fm.fused_moe_grouped(x, ids, weights, slot_of_expert, pool, ex.layout, block_m=16)
+    want = fm.fused_moe_grouped_ref(x, ids, weights, slot_of_expert, pool, ex.layout)
+    assert got.dtype == dtype
+    assert_close(f"grouped {name} {dtype}", got, want, TOLERANCES[dtype])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
-@pytest.mark.parametrize("arch", [80, 86, 89])
-def test_fused_moe_int4g32_compiles_for_pre_hopper_gpus(arch):
-    """Kimi's int4g32 experts on Ampere and Ada: the decode blocks the launcher plans (fp32 multiply-adds for 1-2
-    tokens, tensor cores from 3) for bf16 and fp16 activations."""
-    from dsv3lite.kernels.quant_matmul import FMT_INT4G32, plan_blocks
-    from dsv3lite.testing import compile_for_gpu
+def test_grouped_byte_decode_of_fp8(monkeypatch):
+    monkeypatch.setenv("DSV3LITE_FP8_DECODE", "bytes")
+    ex = experts("fp8", 128)
+    slot_of_expert, pool = ex.scattered_pool(seed=4)
+    x, ids, weights = routing(20, 4, seed=4)
+    assert_close("grouped fp8 bytes", fm.fused_moe_grouped(x, ids, weights, slot_of_expert, pool, ex.layout),
+                 fm.fused_moe_grouped_ref(x, ids, weights, slot_of_expert, pool, ex.layout), TOLERANCES[torch.float32])
 
-    pytest.importorskip("triton.backends.nvidia")
-    common = dict(wslot="i64", sslot="i64", M="i32", D="i32", I="i32", n_tiles="i32", stride_wn="i32",
-                  stride_sn="i32", stride_im="i32")
-    cases = []
-    for m, xtype in ((1, "bf16"), (4, "fp16")):
-        bm, bn, bk, dot = plan_blocks(FMT_INT4G32, m, 2048, 7168, 32, None, 16)     # Kimi's gate/up, as launched
-        consts = dict(TOP_K=8, FMT=FMT_INT4G32, GROUP=32, BLOCK_M=bm, BLOCK_KE=8, BLOCK_N=bn, BLOCK_K=bk,
-                      USE_DOT=dot, UPCAST=False, PRECISION="tf32")
-        gate_up = dict(common, x_ptr="*" + xtype, ids_ptr="*i64", slot_ptr="*i32", wpool_ptr="*u8",
-                       spool_ptr="*bf16", h_ptr="*" + xtype, stride_xm="i32", gate_w="i32", gate_s="i32",
-                       gate_z="i32", up_w="i32", up_s="i32", up_z="i32")
-        down = dict(common, E="i32", h_ptr="*" + xtype, ids_ptr="*i64", weights_ptr="*fp32", slot_ptr="*i32",
-                    wpool_ptr="*u8", spool_ptr="*bf16", ext_ptr="*" + xtype, y_ptr="*" + xtype, stride_rm="i32",
-                    stride_ym="i32", down_w="i32", down_s="i32", down_z="i32")
-        cases += [("_moe_gate_up_kernel", gate_up, consts), ("_moe_down_kernel", down, dict(consts, HAS_EXTERNAL=True))]
-    compile_for_gpu("dsv3lite.kernels.fused_moe", cases, arch)
+
+def test_grouped_leaves_out_experts_without_a_slot():
+    ex = experts("int4", 32)
+    slot_of_expert, pool = ex.pool([3, 17, 8, 0, 11, 5] + [-1] * (N_EXPERTS - 6), 18)   # free slots: NaN bytes
+    x, ids, weights = routing(24, 4, seed=9)
+    got = fm.fused_moe_grouped(x, ids, weights, slot_of_expert, pool, ex.layout, block_m=16)
+    want = ex.resident()(x, ids, torch.where(ids < 6, weights, torch.zeros_like(weights)))
+    assert_close("grouped, missing experts", got, want, TOLERANCES[torch.float32])
+
+
+def test_grouped_in_chunks(monkeypatch):
+    # (tiles then hold other rows: the interpreter's dot, numpy's matmul, may round a row differently by position)
+    ex = experts("fp8")
+    slot_of_expert, pool = ex.scattered_pool(seed=5)
+    x, ids, weights = routing(30, 4, seed=5)
+    whole = fm.fused_moe_grouped(x, ids, weights, slot_of_expert, pool, ex.layout, block_m=16)
+    per_token = 4 * (INTER + HIDDEN) * x.element_size()
+    monkeypatch.setattr(fm, "GROUPED_WORKSPACE_BYTES", 7 * per_token)            # 5 chunks, the last of 2 tokens
+    chunked = fm.fused_moe_grouped(x, ids, weights, slot_of_expert, pool, ex.layout, block_m=16)
+    assert_close("grouped in chunks", chunked, whole, TOLERANCES[torch.float32])
+
+
+def test_grouped_sum_is_the_offloaded_prefills():
+    # the offloaded prefill computes each expert alone (fused_expert) and sums in combine_experts: the same bits
+    from dsv3lite.moe import combine_experts
+
+    ex = experts("int4", 128)
+    slot_of_expert, pool = ex.scattered_pool(seed=6)
+    x, ids, weights = routing(36, 4, seed=6)
+    grouped = fm.fused_moe_grouped(x, ids, weights, slot_of_expert, pool, ex.layout)   # the default tiles, as
+                                                                                        # fused_expert's
+    def one(e, xs):
+        return fm.fused_expert(xs, slot_of_expert[e:e + 1], pool, ex.layout)
+    assert torch.equal(combine_experts(one, x, ids, weights), grouped)
+
+
+def test_grouped_reads_nothing_back_to_the_host():
+    # no sync per MoE layer of a prompt: the tile map and the sum stay on the device (what a CUDA graph could hold)
+    from dsv3lite.testing import HostReads
+
+    ex = experts("int4", 32)
+    slot_of_expert, pool = ex.scattered_pool(seed=7)
+    x, ids, weights = routing(20, 4, seed=7)
+    probe = HostReads()
+    with probe.mode():
+        fm.fused_moe_grouped(x, ids, weights, slot_of_expert, pool, ex.layout, block_m=16)
+    assert probe.found == []
+
+
+def test_tile_map_covers_every_pair_once():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(10, generator=gen)[:3] for _ in range(50)])   # 150 pairs, 10 experts
+    ids[:30] = torch.tensor([7, 8, 9])                                              # expert 7: 30+ pairs
+    order, tiles = fm._tile_map(ids.flatten(), 12, 8)                              # experts 10, 11: none
+    flat = ids.flatten()
+    assert tiles.shape == (-(-150 // 8) + 12, 3)                                   # bound: pairs / 8 + experts
+    seen = []
+    for e, first, end in tiles.tolist():
+        assert 0 <= end - first <= 8
+        rows = order[first:end]
+        assert (flat[rows] == e).all()
+        seen += rows.tolist()
+    assert sorted(seen) == list(range(150))
+    assert (flat[order].diff() >= 0).all()                                         # expert-major
+
+
+def test_blob_experts_take_the_grouped_kernels_for_a_prompt(monkeypatch):
+    ex = experts("int4", 32)
+    x, ids, weights = routing(FUSED_MAX + 4, 4, seed=8)
+    resident = ex.resident()
+    monkeypatch.setenv("DSV3LITE_KERNELS", "ref")
+    want = resident(x, ids, weights)
+    monkeypatch.setenv("DSV3LITE_KERNELS", "triton")
+    calls = []
+    monkeypatch.setattr("dsv3lite.experts.fused_moe_grouped",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or fm.fused_moe_grouped(*a, **k))
+    assert_close("BlobExperts prompt", resident(x, ids, weights), want, TOLERANCES[torch.float32])
+    assert calls == [FUSED_MAX + 4]
+
+
+# --- launch configuration ------------------------------------------------------------------------------
+
+def test_decode_defaults_are_tuned_per_regime():
+    from dsv3lite.kernels import tuning
+    from dsv3lite.kernels.quant_matmul import launch_config
+
+    assert launch_config("moe_down", 1, torch.bfloat16)["use_dot"] is False
+    assert launch_config("moe_down", 16, torch.float32) == dict(tuning.DEFAULTS["moe_down"]["dot32"], use_dot=True)
+    assert launch_config("gemv", 16, torch.bfloat16, block_n=64)["block_n"] == 64
+    for kernel, candidates in tuning.CANDIDATES.items():
+        for cand in candidates:
+            assert set(cand) <= set(tuning.DEFAULTS[kernel]["rows"]), (kernel, cand)
+
+
+def test_tuning_file_overrides_the_defaults(monkeypatch, tmp_path):
+    import json
+
+    from dsv3lite.kernels import tuning
+
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"moe_down": {"rows": {"block_n": 32, "prefetch": False}}}))
+    monkeypatch.setenv(tuning.ENV, str(path))
+    tuning._overrides.cache_clear()
+    try:
+        got = tuning.config("moe_down", "rows")
+        assert (got["block_n"], got["prefetch"]) == (32, False)
+        assert got["num_warps"] == tuning.DEFAULTS["moe_down"]["rows"]["num_warps"]
+        ex = experts("fp8")
+        slot_of_expert, pool = ex.scattered_pool()
+        x, ids, weights = routing(1, 4, seed=3)
+        assert_close("tuned", fm.fused_moe(x, ids, weights, slot_of_expert, pool, ex.layout),
+                     fm.fused_moe_ref(x, ids, weights, slot_of_expert, pool, ex.layout), TOLERANCES[torch.float32])
+        path.write_text(json.dumps({"moe_down": {"rows": {"blocks": 3}}}))
+        tuning._overrides.cache_clear()
+        with pytest.raises(AssertionError, match="unknown knobs"):
+            tuning.config("moe_down", "rows")
+    finally:
+        tuning._overrides.cache_clear()

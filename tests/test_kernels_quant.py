@@ -229,36 +229,28 @@ def test_auto_picks_kernel_or_twin(monkeypatch):
 
 def test_plan_blocks():
     for fmt, group in ((qm.FMT_INT4, 128), (qm.FMT_FP8, 128), (qm.FMT_BF16, 0)):
-        bm, bn, bk, dot = qm.plan_blocks(fmt, 1, 7168, 2048, group)
-        assert (bm, dot) == (1, False) and bk & (bk - 1) == 0
-        bm, bn, bk, dot = qm.plan_blocks(fmt, 16, 7168, 2048, group)
-        assert (bm, dot) == (16, True)
-    assert qm.plan_blocks(qm.FMT_INT4, 1, 64, 40, 32)[2] == 32                    # one group per step
-    assert qm.plan_blocks(qm.FMT_INT4, 1, 64, 40, 32, block_k=128)[2] == 64       # K=40 pads to 64
-    assert qm.plan_blocks(qm.FMT_FP8, 1, 64, 40, 128, block_k=128)[2] == 64       # no wider than K needs
+        assert qm.plan_blocks(fmt, 1, 7168, 2048, group, False, 32, 64)[0] == 1
+        assert qm.plan_blocks(fmt, 2, 7168, 2048, group, False, 32, 64)[0] == 2
+        assert qm.plan_blocks(fmt, 5, 7168, 2048, group, True, 32, 64)[0] == 16     # a tl.dot's 16 rows
+    assert qm.plan_blocks(qm.FMT_INT4, 1, 64, 40, 32, False, 32, 128)[2] == 64     # K=40 pads to 64
+    assert qm.plan_blocks(qm.FMT_INT4, 1, 64, 4096, 128, False, 32, 16)[2] == 32   # 16 bytes: a tl.dot's K
+    assert qm.plan_blocks(qm.FMT_FP8, 1, 64, 40, 128, False, 32, 128)[2] == 64     # no wider than K needs
+    assert qm.plan_blocks(qm.FMT_FP8, 1, 20, 400, 128, False, 64, 64)[1] == 32     # nor than N needs
     with pytest.raises(AssertionError, match="fp8 block_k"):
-        qm.plan_blocks(qm.FMT_FP8, 1, 64, 4096, 128, block_k=256)
+        qm.plan_blocks(qm.FMT_FP8, 1, 64, 4096, 128, False, 32, 256)
 
 
-# --- the kernels compile for the H200's architecture -------------------------------------------------
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
-def test_quant_matmul_compiles_for_sm90():
-    from dsv3lite.testing import compile_for_sm90
-
-    pytest.importorskip("triton.backends.nvidia")
-    formats = [(qm.FMT_INT4, "*u8", "*fp16", 128, 128), (qm.FMT_FP8, "*fp8e4nv", "*fp32", 128, 64),
-               (qm.FMT_BF16, "*bf16", "*bf16", 0, 64)]
-    cases = []
-    for code, wtype, stype, group, block_k in formats:
-        for xtype, use_dot in (("bf16", False), ("fp16", True), ("fp32", False))[:3 if code == qm.FMT_INT4 else 2]:
-            sig = {"x_ptr": "*" + xtype, "w_ptr": wtype, "s_ptr": stype, "z_ptr": stype, "out_ptr": "*fp32",
-                   "M": "i32", "N": "i32", "K": "i32", "n_tiles": "i32", "tiles_per_split": "i32",
-                   "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "stride_om": "i32"}
-            consts = dict(FMT=code, GROUP=group, BLOCK_M=16 if use_dot else 1, BLOCK_N=32, BLOCK_K=block_k,
-                          USE_DOT=use_dot, UPCAST=False, PRECISION="ieee" if xtype == "fp32" else "tf32")
-            cases.append(("_quant_matmul_kernel", sig, consts))
-    compile_for_sm90("dsv3lite.kernels.quant_matmul", cases)
+@pytest.mark.parametrize("block_k", [32, 64, 256])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_w4a16_tiles_within_and_across_groups(block_k, prefetch):
+    # group 128: a 32- or 64-element tile is part of one group (one scale per row), a 256-element one spans two
+    # (a scale per byte column); K = 330 leaves the last group short; split_k=2 ends a split mid-row
+    q, s, z = make_int4(40, 330, 128)
+    x = make_x(2, 330, torch.float32)
+    want = qm.w4a16_matmul_ref(x, q, s, z, 330, 128)
+    for use_dot in (False, True):
+        got = qm.w4a16_matmul(x, q, s, z, 330, 128, block_k=block_k, prefetch=prefetch, use_dot=use_dot, split_k=2)
+        assert_close(f"block_k={block_k} prefetch={prefetch} use_dot={use_dot}", got, want, TOLERANCES[torch.float32])
 
 
 # --- fp8 on GPUs without Triton's fp8 type: weights read as bytes, decoded with bit arithmetic --------
@@ -293,20 +285,3 @@ def test_w8a16_byte_decode_matches_twin(monkeypatch, m, dtype):
     wq, sc = make_fp8(130, 200)
     x = make_x(m, 200, dtype)
     assert_close("w8a16 bytes", qm.w8a16_matmul(x, wq, sc), qm.w8a16_matmul_ref(x, wq, sc), TOLERANCES[dtype])
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
-@pytest.mark.parametrize("arch", [80, 86, 89, 90])
-def test_fp8_kernels_compile_for_every_supported_gpu(arch):
-    """The fp8 paths the launchers choose for sm_80 (A100), sm_86 (RTX 30xx, A6000), sm_89 (Ada) and sm_90."""
-    from dsv3lite.testing import compile_for_gpu
-
-    pytest.importorskip("triton.backends.nvidia")
-    code = qm.fp8_code_for((arch // 10, arch % 10))
-    wtype = "*fp8e4nv" if code == qm.FMT_FP8 else "*u8"
-    sig = {"x_ptr": "*bf16", "w_ptr": wtype, "s_ptr": "*fp32", "z_ptr": "*fp32", "out_ptr": "*fp32",
-           "M": "i32", "N": "i32", "K": "i32", "n_tiles": "i32", "tiles_per_split": "i32",
-           "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_os": "i32", "stride_om": "i32"}
-    consts = dict(FMT=code, GROUP=128, BLOCK_M=1, BLOCK_N=32, BLOCK_K=64, USE_DOT=False, UPCAST=False,
-                  PRECISION="tf32")
-    compile_for_gpu("dsv3lite.kernels.quant_matmul", [("_quant_matmul_kernel", sig, consts)], arch)

@@ -132,3 +132,73 @@ def test_plan_and_info_show_the_host_tier_bytes(capsys):
     assert f"host tier: {expected} of expert blobs" in capsys.readouterr().out
     assert main(["info"]) == 0
     assert f"host tier when offloaded: {expected}" in capsys.readouterr().out
+
+
+# --- the cost of a miss by where its blob is, and copies from a mapped tier ------------------------------
+
+def _host_store(mode: str):
+    from dsv3lite.offload.cache import HostStore
+    from dsv3lite.quant.formats import get_format
+
+    fmt = get_format("bf16")
+    layout = fmt.layout(32, 64)
+    gen = torch.Generator().manual_seed(0)
+    blobs = {l: torch.stack([fmt.pack(*(torch.randn(s, generator=gen) * 0.1 for s in ((32, 64), (32, 64), (64, 32))))
+                             for _ in range(6)]) for l in (1, 2)}
+    return fmt, layout, HostStore(blobs, layout.blob_bytes, mode)
+
+
+def test_cost_model_prices_a_fetch_at_the_rate_of_where_the_blob_is():
+    from dsv3lite.offload.runtime import CostModel
+
+    c = CostModel(h2d_bytes_per_s=4e9, cpu_s_1=1e-3, cpu_s_4=1.2e-3, blob_bytes=2_000_000, threads=2,
+                  h2d_unpinned_bytes_per_s=1e9)
+    assert c.fetch_s() == pytest.approx(0.5e-3) and c.fetch_s(pinned=False) == pytest.approx(2e-3)
+    assert not c.prefer_cpu(1) and c.prefer_cpu(1, pinned=False)
+    assert "from the mapped tier until it is pinned" in c.describe()
+    assert CostModel(1e9, 1e-3, 1e-3, 10, 1).fetch_s(False) == CostModel(1e9, 1e-3, 1e-3, 10, 1).fetch_s()
+
+
+def test_a_miss_is_fetched_once_its_layer_is_pinned():
+    """--miss-policy auto with a mapped tier whose copies are slow until pinned: layer 1's miss goes to the CPU
+    while it is mapped, to a copy once the background pinner has swapped it in."""
+    from dsv3lite.offload.options import OffloadOptions
+    from dsv3lite.offload.runtime import CostModel, OffloadRuntime
+    from dsv3lite.offload.stats import UseCounts
+
+    fmt, layout, host = _host_store("mmap")
+    rt = OffloadRuntime(host, fmt, layout, 4, torch.device("cpu"), torch.float32,
+                        options=OffloadOptions(miss_policy="auto"))
+    try:
+        rt.cost = CostModel(h2d_bytes_per_s=1e12, cpu_s_1=1e-3, cpu_s_4=1e-3, blob_bytes=layout.blob_bytes,
+                            threads=1, h2d_unpinned_bytes_per_s=1e3)
+        counts = UseCounts()
+        assert rt._place(1, 0, 1, counts) is None and counts.cpu_experts == 1
+        host.swap(1, host.layers[1].clone())
+        assert rt._place(1, 1, 1, counts) is not None and counts.cpu_experts == 1
+        assert rt._place(2, 0, 1, counts) is None                       # layer 2: still mapped
+    finally:
+        rt.close()
+
+
+def test_staging_ring_copies_through_pinned_buffers_and_reuses_one_after_its_copy():
+    from dsv3lite.offload.cache import StagingRing
+
+    class Event:
+        def __init__(self, log, name):
+            self.log, self.name = log, name
+
+        def synchronize(self):
+            self.log.append(self.name)
+
+    waited = []
+    ring = StagingRing(2, 8, pin=lambda shape: torch.zeros(shape, dtype=torch.uint8))
+    sources = [torch.full((8,), i, dtype=torch.uint8) for i in range(5)]
+    used = []
+    for i, src in enumerate(sources):
+        buf, slot = ring.stage(src)
+        assert torch.equal(buf, src) and buf.data_ptr() != src.data_ptr()
+        used.append(slot)
+        ring.issued(slot, Event(waited, f"copy {i}"))
+    assert used == [0, 1, 0, 1, 0]
+    assert waited == ["copy 0", "copy 1", "copy 2"]                   # each reuse waited for the copy before

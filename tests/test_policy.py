@@ -75,6 +75,21 @@ def test_prefetch_counts_wasted_loads():
     assert r.prefetch_loads == 1 and r.demand_loads == 1 and r.wasted_prefetches == 0
 
 
+def test_token_routed_layers_are_prefetched_exactly_at_each_step():
+    """Layers routed by the token id (DeepSeek-V4's hash layers) are loaded at the start of their step, pinned until
+    their layer runs (a learned layer's demand load cannot evict them), so they are never a demand miss; the counts
+    per layer say so. Without them the same uses are demand misses."""
+    steps = [[(0, 1), (0, 2)], [(1, 3)], [(2, 4)]], [[(0, 5), (0, 1)], [(1, 6)], [(2, 7)]]
+    trace = Trace({}, [(s, keys) for s, layers in enumerate(steps) for keys in layers], {})
+    plain = simulate(trace, 3, "decayed-lfu")
+    exact = simulate(trace, 3, "decayed-lfu", token_layers=[0])
+    assert plain.layers_sum([0]) == (4, 3, 0)               # (uses, demand loads, prefetch loads)
+    assert exact.layers_sum([0]) == (4, 0, 3)
+    assert exact.layers_sum([1, 2]) == plain.layers_sum([1, 2]) == (4, 4, 0)
+    assert exact.uses == plain.uses == 8 and exact.demand_loads == 4
+    assert simulate(trace, 3, "belady", token_layers=[0]).demand_loads == simulate(trace, 3, "belady").demand_loads
+
+
 def test_unknown_policy_is_a_user_error():
     from dsv3lite.errors import UserError
 

@@ -143,6 +143,7 @@ def test_trace_writes_and_summarises(capsys, tmp_path, v3_dir):
     assert f"{meta['generated']} generated tokens" in out
     rows = {l.split()[0]: l.split()[1:] for l in out.splitlines() if re.match(r"^\s+(\d+|MTP)\s+\d+\s", l)}
     assert set(rows) == {str(i) for i in meta["moe_layers"]}
+    assert meta["token_layers"] == []            # no layer routed by the token id (DeepSeek-V4's hash layers)
     from dsv3lite.offload.trace import read_trace
     trace = read_trace(out_file)
     layer = meta["moe_layers"][-1]               # the last layer: predicted from 1 and 2 layers back

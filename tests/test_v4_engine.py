@@ -243,4 +243,26 @@ def test_geometry_offloaded_equals_resident(v4_geometry_dir, monkeypatch):
     assert off.stats()["cpu_step"]["by_block"] == 5
     s = off.stats()["expert_cache"]
     assert s["predictor_by_layer_kind"]["hash"] == {"precision": 1.0, "recall": 1.0}
+    assert all(s["per_layer"][i]["demand_misses"] == 0 for i in range(off.args.num_hash_layers))
+    assert 0 < s["predictor_by_layer_kind"]["learned"]["recall"] < 1       # predicted from the streams
     assert s["demand_misses"] > 0
+
+
+def test_trace_records_the_hash_layers_and_replays_them_exactly(official, tmp_path, capsys):
+    """`dsv3lite trace` on a V4 checkpoint names its hash layers; replayed with them (benchmarks/cache_sim.py --v4),
+    their experts, known from each token as it is sampled, are never a demand miss, where without them they are."""
+    import json
+
+    from dsv3lite.cli import main
+    from dsv3lite.offload.trace import read_trace, simulate
+
+    out_file = tmp_path / "t.jsonl"
+    rc = main(["trace", "-w", str(official), "-p", "hello there", "-m", "12", "-o", str(out_file), "--no-mtp"])
+    assert rc == 0, capsys.readouterr().err
+    meta = json.loads(out_file.read_text().splitlines()[0])["meta"]
+    assert meta["token_layers"] == [0, 1]                   # the tiny variant's num_hash_layers
+    trace = read_trace(out_file)
+    plain = simulate(trace, 6, "decayed-lfu")
+    exact = simulate(trace, 6, "decayed-lfu", token_layers=meta["token_layers"])
+    assert plain.layers_sum([0, 1])[1] > 0
+    assert exact.layers_sum([0, 1])[1] == 0 and exact.layers_sum([0, 1])[0] == plain.layers_sum([0, 1])[0]

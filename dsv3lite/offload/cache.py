@@ -1,7 +1,8 @@
 """Host tier and device tier of the routed experts.
 
 HostStore: every routed expert as one contiguous blob ([n_experts, blob_bytes] per MoE layer), pinned
-when host RAM allows (one expert = one H2D copy), else served from the mmap'd quantized checkpoint.
+when host RAM allows (one expert = one H2D copy), else served from the mmap'd quantized checkpoint (copied
+through a few pinned staging buffers, `StagingRing`, until pinned).
 
 ExpertCache: one global pool of equal-size slots shared by all MoE layers ([n_slots, blob_bytes] uint8
 on the device), no write-back; its bookkeeping (expert->slot, pins, in-flight marks, victims) is a
@@ -73,6 +74,16 @@ class HostStore:
         self._addresses.pop(key[0], None)
         return row
 
+    def is_pinned(self, key: Key) -> bool:
+        """Whether `key`'s blob is read from pinned memory now."""
+        return key in self.hot or key[0] in self.pinned_layers
+
+    def source(self, key: Key) -> tuple[torch.Tensor, bool]:
+        """(the blob to copy `key` from, whether it is pinned). The layer is read before its pinned mark, so a swap
+        in between can only call pinned memory pageable (a slower copy), never the reverse."""
+        blob = self.blob(key)
+        return blob, self.is_pinned(key)
+
     def blob(self, key: Key) -> torch.Tensor:
         """The blob to read `key` from now (every read of the host tier goes through here or `addresses`)."""
         row = self.hot.get(key)
@@ -102,6 +113,38 @@ class HostStore:
         return sum(t.numel() for t in self.layers.values())
 
 
+class StagingRing:
+    """Copies from pageable host memory (a mapped tier not yet pinned) go through a few pinned buffers: the issuing
+    thread copies the blob into a free buffer (a memcpy), then the device copy runs from it asynchronously at the
+    pinned rate. A pageable source makes the driver stage the copy itself, which holds the issuing thread for the
+    whole transfer at about half the rate. A buffer is reused once the copy that read it has finished (`issued`
+    hands over that copy's end event). `pin` allocates a buffer (host_memory.pinned_empty)."""
+
+    def __init__(self, n: int, blob_bytes: int, pin=None):
+        from .host_memory import pinned_empty
+
+        pin = pin or (lambda shape: pinned_empty(shape))
+        self.buffers = [pin((blob_bytes,)) for _ in range(n)]
+        self.done: list = [None] * n                 # end event of the last copy from each buffer
+        self.next = 0
+
+    def stage(self, src: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(a pinned buffer holding src's bytes, its index for `issued`)."""
+        i = self.next
+        self.next = (i + 1) % len(self.buffers)
+        if self.done[i] is not None:
+            self.done[i].synchronize()                # the copy that last read this buffer has finished
+            self.done[i] = None
+        self.buffers[i].copy_(src)
+        return self.buffers[i], i
+
+    def issued(self, i: int, end_event) -> None:
+        self.done[i] = end_event
+
+
+STAGING_BUFFERS = 4      # pinned staging buffers of a mapped tier: as many copies as a bulk layer keeps ahead
+
+
 class ExpertCache:
     """The pool, the copies and their events; every bookkeeping decision (which slot, which victim, what is
     pinned or in flight) is the slot table's (`self.slots`, offload/slots.py)."""
@@ -117,6 +160,7 @@ class ExpertCache:
         self.stalls: deque = deque()               # (before, after) events around compute-stream waits on copies
         self.released: list = [None] * n_slots     # CUDA event recorded after the last compute that read the slot
         self.counts = CopyCounts()
+        self.staging: StagingRing | None = None    # made at the first copy from pageable memory (CUDA)
         if self.cuda:
             self.demand_stream = torch.cuda.Stream(device, priority=-1)
             self.prefetch_stream = torch.cuda.Stream(device, priority=0)
@@ -148,22 +192,14 @@ class ExpertCache:
         slot = self.slots.allocate(key, kind, in_flight=self.cuda)
         if slot is None:
             return None
-        src = self.host.blob(key)
         if self.cuda:
             stream = self.demand_stream if kind == "demand" else self.prefetch_stream
-            with torch.cuda.stream(stream):
-                if self.released[slot] is not None:
-                    stream.wait_event(self.released[slot])   # the last compute that read this slot is done
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                self.pool[slot].copy_(src, non_blocking=True)
-                end.record(stream)
+            start, end = self._copy(slot, key, stream)
             self.ready[slot] = self.copy_end[slot] = end
             self.copies[stream].append((key, slot, start, end))
         else:
             t0 = time.perf_counter()
-            self.pool[slot].copy_(src)
+            self.pool[slot].copy_(self.host.blob(key))
             self.counts.copy_s += time.perf_counter() - t0
         self.released[slot] = None
         self.counts.h2d_bytes += self.host.blob_bytes
@@ -199,15 +235,50 @@ class ExpertCache:
         for i in slots:
             self.released[i] = ev
 
-    def time_copy(self, key: Key, repeats: int = 3) -> float:
-        """Best seconds of one host->device copy of `key`'s blob (into slot 0, before any slot is used)."""
-        assert not self.slots.slot_of, "time_copy overwrites slot 0: call it before any load"
+    def _copy(self, slot: int, key: Key, stream, src: torch.Tensor | None = None):
+        """CUDA: queue the copy of `key`'s blob (or `src`) into `slot` on `stream`, after the last compute that read
+        the slot; a pageable blob goes through the staging ring. -> (start, end) timing events."""
+        pinned = True
+        if src is None:
+            src, pinned = self.host.source(key)
+        staged = None
+        if not pinned:
+            if self.staging is None:
+                self.staging = StagingRing(STAGING_BUFFERS, self.host.blob_bytes)
+            src, staged = self.staging.stage(src)
+        with torch.cuda.stream(stream):
+            if self.released[slot] is not None:
+                stream.wait_event(self.released[slot])   # the last compute that read this slot is done
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            self.pool[slot].copy_(src, non_blocking=True)
+            end.record(stream)
+        if staged is not None:
+            self.staging.issued(staged, end)
+        return start, end
+
+    def time_copies(self, key: Key, repeats: int = 3) -> tuple[float, float]:
+        """Best seconds of one host->device copy of `key`'s blob into slot 0 (before any slot is used): (from the
+        tier as loads copy it now, from pinned memory). On the CPU, and for a pinned tier, the two are one."""
+        assert not self.slots.slot_of, "time_copies overwrites slot 0: call it before any load"
+        tier = self._time(lambda: self._copy(0, key, self.demand_stream) if self.cuda else
+                          self.pool[0].copy_(self.host.blob(key)), repeats)
+        if not self.cuda or self.host.is_pinned(key):
+            return tier, tier
+        from .host_memory import pinned_empty
+
+        pinned = pinned_empty((self.host.blob_bytes,))
+        pinned.copy_(self.host.blob(key))
+        return tier, self._time(lambda: self._copy(0, key, self.demand_stream, pinned), repeats)
+
+    def _time(self, copy, repeats: int) -> float:
         best = float("inf")
         for _ in range(repeats):
             if self.cuda:
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
-            self.pool[0].copy_(self.host.blob(key), non_blocking=self.cuda)
+            copy()
             if self.cuda:
                 torch.cuda.synchronize(self.device)
             best = min(best, time.perf_counter() - t0)

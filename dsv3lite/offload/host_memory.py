@@ -2,8 +2,9 @@
 
 `torch.empty(n, pin_memory=True)` goes through PyTorch's caching host allocator, which rounds every block up to
 a power of two: a DeepSeek-V3 FP8 layer of expert blobs (10.5 GiB) would take 16 GiB, 944 GiB in all for
-619 GiB of data. Instead the tier allocates ordinary memory of the exact size and registers it with the CUDA
-driver (cudaHostRegister): the same DMA speed as pinned memory, nothing rounded, unregistered when freed.
+619 GiB of data. Instead the tier maps memory of the exact size and registers it with the CUDA driver
+(cudaHostRegister): the same DMA speed as pinned memory, nothing rounded, unregistered when freed. How much host
+RAM the tier may take (`host_ram_budget`) follows the machine and this process's cgroup.
 
 Also here: the background pinners of a mapped tier (whole layers, `BackgroundPinner`, when all of it fits; the
 most used experts up to --cpu-mem, `HotExperts`, when it does not) and `ResidentCap`, --cpu-mem on the CPU.
@@ -18,8 +19,13 @@ import torch
 from ..errors import UserError
 
 
+CUDA_HOST_REGISTER_PORTABLE = 1        # pinned for every CUDA context, not only the current one
+HOST_RESERVE_MIN = 2 * 2**30            # host RAM the host tier leaves to the OS and the rest of the process ...
+HOST_RESERVE_SHARE = 16                 # ... or 1/16 of the RAM within reach, whichever is more
+
+
 def _cudart_register(ptr: int, nbytes: int) -> int:
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE))
 
 
 def _cudart_unregister(ptr: int) -> int:
@@ -27,20 +33,85 @@ def _cudart_unregister(ptr: int) -> int:
 
 
 def pinned_empty(shape: tuple[int, ...], register=_cudart_register, unregister=_cudart_unregister) -> torch.Tensor:
-    """uint8 tensor of `shape` in page-locked host memory, exactly its size (see the module docstring). The
-    registration ends when the returned tensor is freed (views of it then read pageable memory). `register` / `unregister` are the driver calls
-    (replaceable for tests); a failed registration is one clear error."""
-    t = torch.empty(shape, dtype=torch.uint8)
-    nbytes = t.numel()
+    """uint8 tensor of `shape` in page-locked host memory, exactly its size (see the module docstring).
+
+    The memory is an anonymous mapping of its own (whole pages: two allocations never share a page, so a
+    registration never meets a page registered already), registered portable (every CUDA context may copy from it).
+    The tensor's storage owns the mapping: the registration lasts while any tensor or view of that storage lives
+    and ends before the mapping is unmapped. `register` / `unregister` are the driver calls (replaceable for
+    tests); a failed registration is one clear error."""
+    import ctypes
+
+    nbytes = 1
+    for d in shape:
+        nbytes *= d
     if nbytes == 0:
-        return t
-    ptr = t.data_ptr()
+        return torch.empty(shape, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = (ctypes.c_uint8 * nbytes).from_buffer(mapping)      # keeps the mapping; the storage will keep it
+    ptr = ctypes.addressof(buffer)
     err = register(ptr, nbytes)
     if err != 0:
+        del buffer
+        mapping.close()
         raise UserError(f"cannot pin {nbytes / 2**30:.2f} GiB of host memory (CUDA error {err}): lower --cpu-mem "
                         f"or free host RAM")
-    weakref.finalize(t, unregister, ptr)
-    return t
+    weakref.finalize(buffer, unregister, ptr)     # runs when the last storage using it goes, before the unmap
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(shape)
+
+
+def host_reserve(reachable: int) -> int:
+    """Host RAM kept out of the host tier when `reachable` bytes are within the process's reach."""
+    return max(HOST_RESERVE_MIN, reachable // HOST_RESERVE_SHARE)
+
+
+def host_ram_budget(cgroup=None) -> int:
+    """Bytes of host RAM the host tier may take now: what the machine has available, or what this process's cgroup
+    still allows when that is less (`cgroup`: (limit, usage) or None; default: read by `cgroup_memory`), less
+    `host_reserve` of the RAM within reach."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    available, reachable = vm.available, vm.total
+    found = cgroup_memory() if cgroup is None else cgroup
+    if found is not None:
+        limit, usage = found
+        available, reachable = min(available, limit - usage), min(reachable, limit)
+    return available - host_reserve(reachable)
+
+
+def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int, int] | None:
+    """(limit, usage) in bytes of the tightest memory limit on this process's cgroup and its ancestors (cgroup v2
+    memory.max / memory.current, or v1 memory.limit_in_bytes / memory.usage_in_bytes); None without a limit."""
+    from pathlib import Path
+
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    tightest = None
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":                                      # v2: one unified hierarchy
+            base, files = Path(root), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):                   # v1: the memory controller's hierarchy
+            base, files = Path(root) / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        here = base / rel.lstrip("/")
+        for d in [here, *here.parents]:
+            try:
+                limit, usage = ((d / f).read_text().strip() for f in files)
+            except OSError:
+                if d == base:
+                    break
+                continue
+            if limit.isdigit() and int(limit) < 2**60 and (
+                    tightest is None or int(limit) - int(usage) < tightest[0] - tightest[1]):
+                tightest = (int(limit), int(usage))
+            if d == base:
+                break
+    return tightest
 
 
 class BackgroundPinner:

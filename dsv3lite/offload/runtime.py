@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..kernels import cpu_experts, dispatch
-from ..kernels.fused_moe import fused_moe
+from ..kernels.fused_moe import fused_expert, fused_moe
 from ..limits import BULK_TOKENS
 from ..moe import combine_experts
 from ..utils import format_bytes
@@ -37,41 +37,49 @@ PREFETCH_BATCH = 2       # prefetch copies queued on the copy engine at once (be
 
 
 class CostModel:
-    """Measured at start-up: H2D bytes/s, and the CPU's seconds for one expert on 1 and on 4 tokens in the
-    format in use, at its real size, with the thread count that will compute misses (the expert's weights read
-    from memory, not a cache). A memory-bound kernel costs little more for 4 tokens than for 1: between and
-    beyond the two, the cost is taken as linear in the tokens."""
+    """Measured at start-up: H2D bytes/s from pinned memory and from the host tier as it is then (a mapped tier
+    copies through pinned staging buffers: slower, until the background pinner has pinned it), and the CPU's seconds
+    for one expert on 1 and on 4 tokens in the format in use, at its real size, with the thread count that will
+    compute misses (the expert's weights read from memory, not a cache). A fetch is costed at the rate of where
+    that expert's blob is now. A memory-bound kernel costs little more for 4 tokens than for 1: between and beyond
+    the two, the cost is taken as linear in the tokens."""
 
-    def __init__(self, h2d_bytes_per_s: float, cpu_s_1: float, cpu_s_4: float, blob_bytes: int, threads: int):
-        self.h2d_bytes_per_s = h2d_bytes_per_s
+    def __init__(self, h2d_bytes_per_s: float, cpu_s_1: float, cpu_s_4: float, blob_bytes: int, threads: int,
+                 h2d_unpinned_bytes_per_s: float | None = None):
+        self.h2d_bytes_per_s = h2d_bytes_per_s                          # from pinned memory
+        self.h2d_unpinned_bytes_per_s = h2d_unpinned_bytes_per_s or h2d_bytes_per_s
         self.cpu_s_1, self.cpu_s_4 = cpu_s_1, max(cpu_s_4, cpu_s_1)
         self.blob_bytes = blob_bytes
         self.threads = threads
 
-    def fetch_s(self) -> float:
-        return self.blob_bytes / self.h2d_bytes_per_s
+    def fetch_s(self, pinned: bool = True) -> float:
+        return self.blob_bytes / (self.h2d_bytes_per_s if pinned else self.h2d_unpinned_bytes_per_s)
 
     def cpu_s(self, n_tokens: int) -> float:
         return self.cpu_s_1 + (self.cpu_s_4 - self.cpu_s_1) * (max(n_tokens, 1) - 1) / 3
 
-    def prefer_cpu(self, n_tokens: int) -> bool:
-        return self.cpu_s(n_tokens) < self.fetch_s()
+    def prefer_cpu(self, n_tokens: int, pinned: bool = True) -> bool:
+        return self.cpu_s(n_tokens) < self.fetch_s(pinned)
 
     def describe(self) -> str:
-        return (f"H2D {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({self.fetch_s() * 1e3:.2f} ms per expert), CPU "
-                f"{self.cpu_s_1 * 1e3:.2f} ms per expert for 1 token, {self.cpu_s_4 * 1e3:.2f} for 4 "
+        h2d = f"H2D {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({self.fetch_s() * 1e3:.2f} ms per expert)"
+        if self.h2d_unpinned_bytes_per_s != self.h2d_bytes_per_s:
+            h2d += (f", {self.h2d_unpinned_bytes_per_s / 1e9:.1f} GB/s from the mapped tier until it is pinned "
+                    f"({self.fetch_s(False) * 1e3:.2f} ms)")
+        return (f"{h2d}, CPU {self.cpu_s_1 * 1e3:.2f} ms per expert for 1 token, {self.cpu_s_4 * 1e3:.2f} for 4 "
                 f"({self.threads} thread{'' if self.threads == 1 else 's'})")
 
     @classmethod
     def measure(cls, cache: ExpertCache, fmt: ExpertFormat, layout: BlobLayout, layer_id: int, dtype,
                 worker: CpuWorker | None, limit: float | None = None) -> "CostModel":
-        h2d = layout.blob_bytes / max(cache.time_copy((layer_id, 0)), 1e-9)
+        tier_s, pinned_s = cache.time_copies((layer_id, 0))
+        h2d, h2d_tier = layout.blob_bytes / max(pinned_s, 1e-9), layout.blob_bytes / max(tier_s, 1e-9)
         n = cache.host.layers[layer_id].shape[0]
         experts = [e % n for e in range(1, 5)]          # distinct where the layer has them, not slot 0's
         if worker is not None:
             t1 = worker.time_experts(layer_id, experts[:2], 1)
             t4 = worker.time_experts(layer_id, experts[2:], 4)
-            return cls(h2d, t1, t4, layout.blob_bytes, worker.threads)
+            return cls(h2d, t1, t4, layout.blob_bytes, worker.threads, h2d_tier)
         times = []
         for tokens, group in ((1, experts[:2]), (4, experts[2:])):
             x = torch.zeros(tokens, layout.hidden, dtype=dtype)
@@ -81,7 +89,7 @@ class CostModel:
                 fmt.expert_forward(cache.host.blob((layer_id, e)), x, layout, limit)
                 best = min(best, time.perf_counter() - t0)
             times.append(best)
-        return cls(h2d, times[0], times[1], layout.blob_bytes, torch.get_num_threads())
+        return cls(h2d, times[0], times[1], layout.blob_bytes, torch.get_num_threads(), h2d_tier)
 
 
 TOKEN_ROUTED = "token"   # the predictor_by_distance label of experts known from the token ids (hash layers)
@@ -133,6 +141,7 @@ class OffloadRuntime:
         self.token_pins: set = set()                      # their experts' keys, pinned until their layer runs
         # decode through the fused MoE kernel (it has no SwiGLU clamp)
         self.fused = dispatch.use_kernels(device) and fmt.fused_kernel and limit is None
+        self.slot_index = torch.arange(n_slots, dtype=torch.int32, device=device)   # slot i's entry: [i:i+1]
         # CPU tier with the compiled kernel: a decode step's experts in one kernel call (slots and CPU-assigned
         # misses alike), as the resident provider computes them
         self.one_call = device.type == "cpu" and not self.fused and cpu_experts.available(layout, limit)
@@ -303,7 +312,8 @@ class OffloadRuntime:
             return self.slots.lookup(key)
         self._count(counts, "demand_misses")
         miss_policy = self.options.miss_policy
-        if not (miss_policy == "cpu" or (miss_policy == "auto" and self.cost.prefer_cpu(n_tokens))):
+        if not (miss_policy == "cpu" or (miss_policy == "auto" and
+                                         self.cost.prefer_cpu(n_tokens, self.host.is_pinned(key)))):
             slot = self.cache.load(key, "demand")
             if slot is None:                          # demand outranks predictions for later layers
                 self.slots.keep_pins(layer_id)
@@ -319,6 +329,8 @@ class OffloadRuntime:
             y = self.fmt.expert_forward(self.host.blob((layer_id, e)), host_in, self.layout, self.limit)
             return y.to(device=xs.device, dtype=xs.dtype)
         self.cache.wait(slot)
+        if self.fused:                     # the kernels' format on a GPU: weights decoded in registers
+            return fused_expert(xs, self.slot_index[slot:slot + 1], self.cache.pool, self.layout)
         return self.fmt.expert_forward(self.cache.slot_view(slot), xs, self.layout, self.limit).to(xs.dtype)
 
     def _one_call(self, layer_id, x, ids, weights, place) -> torch.Tensor:
@@ -328,8 +340,13 @@ class OffloadRuntime:
         base, stride = pool.data_ptr(), pool.stride(0)
         ptrs = self.ptr_table
         ptrs.zero_()
+        held = []           # host blobs read, held until the kernel returns: a layer swapped meanwhile stays mapped
         for e, slot in place.items():
-            ptrs[e] = base + slot * stride if slot is not None else host.blob((layer_id, e)).data_ptr()
+            if slot is None:
+                held.append(host.blob((layer_id, e)))
+                ptrs[e] = held[-1].data_ptr()
+            else:
+                ptrs[e] = base + slot * stride
         return cpu_experts.cpu_experts_forward(x, ids, weights, pool, self.layout, ptrs=ptrs, limit=self.limit)
 
     def _fused(self, layer_id, x, ids, weights, rows, place, job: CpuJob | None) -> torch.Tensor:

@@ -15,13 +15,12 @@ from ..errors import UserError
 from ..experts import ExpertSource, expert_source
 from ..family import family_of
 from ..footprint import DENSE_WEIGHT_BYTES
-from ..hf_checkpoint import has_mtp, has_weights
+from ..hf_checkpoint import CheckpointIndex, has_weights
 from ..utils import format_bytes, parse_size
 from .options import OffloadOptions
 from .planner import OffloadPlan, make_plan
 
 CUDA_RESERVE_BYTES = 1536 * 2**20       # CUDA context, allocator fragmentation, library workspaces
-HOST_RESERVE_BYTES = 4 * 2**30          # host RAM left to the OS and everything else
 
 
 def resolve_budget(gpu_mem, device: torch.device) -> int:
@@ -75,7 +74,9 @@ def expert_tier(root: Path, args: ModelArgs, experts: str | None, mtp: bool,
     if source is None:
         source = expert_source(root, args, experts, blobs_required=True)
     weights_here = has_weights(root)
-    with_mtp = mtp and (has_mtp(root, args) if weights_here else args.num_nextn_predict_layers >= 1)
+    with_mtp = mtp and args.num_nextn_predict_layers >= 1
+    if with_mtp and weights_here:                         # the checkpoint carries the MTP layer its config declares
+        with_mtp = family_of(args).mtp_status(CheckpointIndex.open(root), args)[0]
     return ExpertTier(source, with_mtp, weights_here, tier_layers(args, with_mtp))
 
 
@@ -152,9 +153,9 @@ def host_tier(source: ExpertSource, layers, device, total: int, cap: int | None,
     when they fit), so they must fit the cap. A mapped source is served from its mapping at once; on CUDA it is
     pinned in the background, whole when it fits, else its most used experts up to the cap; on the CPU the cap
     bounds the mapped blobs' resident pages."""
-    import psutil
+    from .host_memory import host_ram_budget
 
-    available = psutil.virtual_memory().available - HOST_RESERVE_BYTES
+    available = host_ram_budget()
     cuda = device.type == "cuda"
     blob_bytes = source.layout.blob_bytes
     if not source.mapped:

@@ -4,13 +4,15 @@
 token used and the predictions made 1..d layers earlier (JSON lines). `simulate` replays the decode
 accesses of a trace against a slot pool of a given size under LRU / LFU / decayed-LFU (the runtime's own
 policy classes and its own slot table, offload/slots.py) or Belady's MIN (the offline optimum), optionally
-with router-predicted prefetch, and counts every load: demand misses plus prefetches, wasted ones included.
+with router-predicted prefetch and with the exact prefetch of layers routed by the token id (DeepSeek-V4's hash
+layers, the trace's `token_layers`), and counts every load: demand misses plus prefetches, wasted ones included,
+in all and per layer.
 """
 from __future__ import annotations
 
 import json
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .policy import Key, Policy, make_policy
@@ -88,6 +90,7 @@ class SimResult:
     evictions: int = 0
     resident: tuple[Key, ...] = ()          # the pool at the end, sorted
     stall_s: float = 0.0                    # time layers waited for copies (with a CopyTiming)
+    by_layer: dict[int, list[int]] = field(default_factory=dict)   # layer -> [uses, demand loads, prefetch loads]
 
     @property
     def loads(self) -> int:
@@ -96,6 +99,18 @@ class SimResult:
     @property
     def hit_rate(self) -> float:
         return 1 - self.demand_loads / self.uses if self.uses else 0.0
+
+    def count(self, layer: int, column: int) -> None:
+        """One more use (column 0), demand load (1) or prefetch load (2) in `layer`."""
+        row = self.by_layer.get(layer)
+        if row is None:
+            row = self.by_layer[layer] = [0, 0, 0]
+        row[column] += 1
+
+    def layers_sum(self, layers) -> tuple[int, int, int]:
+        """(uses, demand loads, prefetch loads) summed over `layers`."""
+        rows = [self.by_layer.get(l, (0, 0, 0)) for l in layers]
+        return tuple(sum(r[i] for r in rows) for i in range(3))
 
 
 class Belady(Policy):
@@ -128,21 +143,33 @@ class CopyTiming:
     batch: int | None = None
 
 
-def simulate(trace: Trace, slots: int, policy: str, prefetch_distance: int = 0,
-             next_token: str | None = None, timing: CopyTiming | None = None) -> SimResult:
-    """Replay decode accesses through the runtime's slot table. policy: lru | lfu | decayed-lfu | belady.
-    prefetch_distance d > 0 loads the experts predicted 1..d layers ahead (as the runtime does) before they are
-    needed (not with belady, which is the bound for demand paging); next_token (a predictor.NEXT_TOKEN_SOURCES
-    label) also loads, at the end of each step, what that source predicted for the next step's layers. Predicted
-    keys are pinned with the current ones. timing: also count the time layers wait for copies (stall_s)."""
+def simulate(trace: Trace, slots: int, policy: str | Policy, prefetch_distance: int = 0,
+             next_token: str | None = None, timing: CopyTiming | None = None, token_layers=(),
+             prior: dict[Key, float] | None = None) -> SimResult:
+    """Replay decode accesses through the runtime's slot table. policy: lru | lfu | decayed-lfu | belady, or a
+    Policy object. prefetch_distance d > 0 loads the experts predicted 1..d layers ahead (as the runtime does)
+    before they are needed (not with belady, which is the bound for demand paging); next_token (a
+    predictor.NEXT_TOKEN_SOURCES label) also loads, at the end of each step, what that source predicted for the
+    next step's layers. Predicted keys are pinned with the current ones. token_layers: layers whose experts follow
+    from the token id (DeepSeek-V4's hash layers; the trace's meta "token_layers"): at the start of each step their
+    experts for it are pinned and prefetched ahead of everything else, nearest layer first, as the runtime does once
+    a token is sampled (not with belady). prior: expected uses per step of some keys, added to the policy's counts
+    at the start of every step (policy.seed). timing: also count the time layers wait for copies (stall_s)."""
     if policy == "belady":
         table = SlotTable(slots, Belady([k for _, keys in trace.accesses for k in keys]))
-        prefetch_distance, next_token = 0, None
+        prefetch_distance, next_token, token_layers, prior = 0, None, (), None
     else:
-        table = SlotTable(slots, make_policy(policy))
-    name = policy + (f"+prefetch@{prefetch_distance}" if prefetch_distance else "") + \
-        (f"+{next_token}" if next_token else "")
+        table = SlotTable(slots, make_policy(policy) if isinstance(policy, str) else policy)
+    token_layers = set(token_layers)
+    name = (policy if isinstance(policy, str) else policy.name) + \
+        (f"+prefetch@{prefetch_distance}" if prefetch_distance else "") + \
+        (f"+{next_token}" if next_token else "") + ("+token" if token_layers else "") + ("+prior" if prior else "")
     res = SimResult(name, slots)
+    by_step: dict[int, list[Key]] = {}         # step -> the keys of its token-routed layers, in layer order
+    for step, keys in trace.accesses:
+        if keys and keys[0][0] in token_layers:
+            by_step.setdefault(step, []).extend(keys)
+    token_pins: set[Key] = set()               # announced keys whose layer has not run yet
     next_layers = sorted({layer for (_, layer), by in trace.predictions.items() if next_token in by})
     now = engine = 0.0                 # the clock and when the copy engine is next free
     ready: dict[Key, float] = {}       # when each key's copy ends
@@ -174,6 +201,7 @@ def simulate(trace: Trace, slots: int, policy: str, prefetch_distance: int = 0,
                 queue.clear()                # every slot is pinned
                 return
             res.prefetch_loads += 1
+            res.count(key[0], 2)
 
     def predicted(i: int, step: int, layer: int) -> list[Key]:
         want: list[Key] = []
@@ -185,17 +213,32 @@ def simulate(trace: Trace, slots: int, policy: str, prefetch_distance: int = 0,
         return list(dict.fromkeys(want))
 
     early = timing is not None and timing.batch is None
+    last_step = None
     for i, (step, keys) in enumerate(trace.accesses):
         table.advance(step)
+        if step != last_step and (token_layers or prior):   # a token was sampled: its token-routed experts are known
+            last_step = step
+            if prior:
+                table.seed(prior)
+            announced = by_step.get(step, [])
+            token_pins = set(announced)
+            queue[:] = announced + [k for k in queue if k not in token_pins]
+            table.set_pins(table.pins | token_pins)
+            issue()
+        if keys and keys[0][0] in token_layers:
+            token_pins -= set(keys)
         want = predicted(i, step, keys[0][0]) if keys else []
-        table.set_pins(set(keys) | set(want))         # the current keys and the predicted ones are not evicted
-        queue[:] = want
+        # the current keys, the predicted ones and the announced ones are not evicted
+        table.set_pins(set(keys) | set(want) | token_pins)
+        queue[:] = [k for k in queue if k in token_pins] + [k for k in want if k not in token_pins]
         if early:
             issue()
         for key in keys:
             res.uses += 1
+            res.count(key[0], 0)
             if table.use(key) is None:
                 res.demand_loads += 1
+                res.count(key[0], 1)
                 if not copy(key, "demand"):
                     table.set_pins(keys)              # demand outranks predictions (the runtime's keep_pins)
                     copy(key, "demand")
