@@ -92,12 +92,16 @@ def _lin(mod: nn.Module, keep: list[torch.Tensor]) -> Lin | None:
     return None
 
 
-def _norm(mod, keep: list[torch.Tensor]) -> int | None:
-    w = getattr(mod, "weight", None)
-    if not _plain(w):
+def _address(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
+    """The address of a plain fp32 tensor the kernel reads (kept in `keep`), or None."""
+    if not _plain(t):
         return None
-    keep.append(w)
-    return w.data_ptr()
+    keep.append(t)
+    return t.data_ptr()
+
+
+def _norm(mod, keep: list[torch.Tensor]) -> int | None:
+    return _address(getattr(mod, "weight", None), keep)
 
 
 def _attention_plan(block) -> _Plan:
@@ -225,28 +229,36 @@ def _fits(cache: torch.Tensor, start: int, seqlen: int, cos: torch.Tensor, sin: 
         and sin.is_contiguous()
 
 
-class _Layers(_Watched):
-    """Every main layer's plans for one model (kept alive here), as the arrays dsv3_layers reads, and routing
-    buffers for its MoE layers; valid while every plan's tensors are."""
+class StepPlans(_Watched):
+    """Every main layer's plans for one model (kept alive here) as the arrays a whole-step kernel reads (`attn`,
+    `ffn`: descriptor addresses per layer); valid while every plan's tensors are. plans_of: the family's."""
 
-    def __init__(self, model):
+    def __init__(self, model, plans_of):
         blocks = list(model.layers)
-        self.plans = [_block_plans(b) for b in blocks]
-        plans = self.plans
+        self.plans = plans = [plans_of(b) for b in blocks]
         super().__init__([r() for a, f in plans for r in a.refs + f.refs])
         self.ok = all(a.desc is not None and f.desc is not None for a, f in plans)
         if not self.ok:
             return
-        n, args = len(blocks), model.args
+        n = len(blocks)
         self.blocks = blocks
         self.attn = (_ptr * n)(*(a.addr for a, _ in plans))
         self.ffn = (_ptr * n)(*(f.addr for _, f in plans))
-        k, e = args.num_experts_per_tok, args.n_routed_experts
+        self.k, self.e = model.args.num_experts_per_tok, model.args.n_routed_experts
+
+
+class _Layers(StepPlans):
+    """StepPlans of a V3-family model, with routing buffers for its MoE layers (dsv3_layers)."""
+
+    def __init__(self, model):
+        super().__init__(model, _block_plans)
+        if not self.ok:
+            return
+        blocks, n, k, e = self.blocks, len(self.blocks), self.k, self.e
         self.ids = torch.zeros(n, ABSORB_MAX_TOKENS * k, dtype=torch.int64)
         self.scores = torch.zeros(n, ABSORB_MAX_TOKENS * e)
         self.ids_ptrs = (_ptr * n)(*(self.ids[i].data_ptr() if b.is_moe else None for i, b in enumerate(blocks)))
         self.score_ptrs = (_ptr * n)(*(self.scores[i].data_ptr() if b.is_moe else None for i, b in enumerate(blocks)))
-        self.k, self.e = k, e
 
 
 _LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

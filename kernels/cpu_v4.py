@@ -28,8 +28,8 @@ import torch
 
 from . import cpu_build, cpu_experts
 from .cpu_abi import F32, HcDesc, Lin, V4AttnDesc, V4CacheDesc, V4FfnDesc
-from .cpu_decode import (MAX_ROPE, _lin, _norm, _plain, _plan, _Plan, _resident_blobs, _Watched, all_planned,
-                         enabled, plan_reasons)
+from .cpu_decode import (MAX_ROPE, StepPlans, _address, _lin, _norm, _plain, _plan, _Plan, _resident_blobs,
+                         _Watched, all_planned, enabled, plan_reasons)
 
 _ptr = ctypes.c_void_p
 MAX_HC = 16                                   # streams the kernels hold (cpu_v4.cpp)
@@ -50,32 +50,25 @@ def _hc(hc, keep: list[torch.Tensor]) -> HcDesc | None:
     return HcDesc(hc.fn.data_ptr(), hc.base.data_ptr(), hc.scale.data_ptr(), hc.n, hc.iters, hc.eps, hc.hc_eps)
 
 
-def _tensor(t: torch.Tensor, keep: list[torch.Tensor]) -> int | None:
-    if not _plain(t):
-        return None
-    keep.append(t)
-    return t.data_ptr()
-
-
 def _attention_plan(block) -> _Plan:
     attn, keep = block.attn, []
     a = attn.args
     hc = _hc(block.hc_attn, keep)
     lins = [_lin(getattr(attn, n), keep) for n in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")]
     norms = [_norm(m, keep) for m in (block.attn_norm, attn.q_norm, attn.kv_norm)]
-    ptrs = [_tensor(attn.attn_sink, keep), _tensor(attn.rotary.inv_freq, keep)]
+    ptrs = [_address(attn.attn_sink, keep), _address(attn.rotary.inv_freq, keep)]
     eps = {m.eps for m in (block.attn_norm, attn.q_norm, attn.kv_norm)} | {a.rms_norm_eps}
     comp, idx = attn.compressor, attn.indexer
     c_lins, i_lins, c_ptrs, i_ptrs = [Lin(), Lin()], [Lin()] * 4, [None, None], [None, None]
     if comp is not None:
         c_lins = [_lin(comp.wkv, keep), _lin(comp.wgate, keep)]
-        c_ptrs = [_tensor(comp.ape, keep), _norm(comp.norm, keep)]
+        c_ptrs = [_address(comp.ape, keep), _norm(comp.norm, keep)]
         eps.add(comp.norm.eps)
         ptrs += c_ptrs
     if idx is not None:
         ic = idx.compressor
         i_lins = [_lin(m, keep) for m in (idx.wq_b, idx.weights_proj, ic.wkv, ic.wgate)]
-        i_ptrs = [_tensor(ic.ape, keep), _norm(ic.norm, keep)]
+        i_ptrs = [_address(ic.ape, keep), _norm(ic.norm, keep)]
         eps.add(ic.norm.eps)
         ptrs += i_ptrs
     if hc is None or None in lins + norms + c_lins + i_lins + ptrs:
@@ -96,7 +89,7 @@ def _ffn_plan(block) -> _Plan:
     hc = _hc(block.hc_ffn, keep)
     norm = _norm(block.ffn_norm, keep)
     shared = [_lin(getattr(ffn.shared_experts, w), keep) for w in ("w1", "w3", "w2")]
-    router = _tensor(gate.weight, keep)
+    router = _address(gate.weight, keep)
     table = bias = None
     if gate.is_hash:
         if gate.tid2eid.dtype in (torch.int32, torch.int64) and gate.tid2eid.is_contiguous() \
@@ -104,7 +97,7 @@ def _ffn_plan(block) -> _Plan:
             table = gate.tid2eid
             keep.append(table)
     else:
-        bias = _tensor(gate.bias, keep)
+        bias = _address(gate.bias, keep)
     if hc is None or norm is None or None in shared or router is None or (table is None and bias is None):
         return _Plan(None, keep, why="feed-forward weights in a format the kernel does not read")
     experts = _resident_blobs(ffn.experts)
@@ -240,22 +233,11 @@ def ffn_input(block, x: torch.Tensor):
     return block.ffn_norm(u[None]), (post[None], comb[None])
 
 
-class _Layers(_Watched):
-    """Every main layer's plans for one model as the arrays dsv4_layers reads, and its routing buffers."""
+class _Layers(StepPlans):
+    """StepPlans of a V4 model (dsv4_layers), with routing buffers grown to the longest call."""
 
     def __init__(self, model):
-        blocks = list(model.layers)
-        plans = [block_plans(b) for b in blocks]
-        super().__init__([r() for a, f in plans for r in a.refs + f.refs])
-        self.plans = plans
-        self.ok = all(a.desc is not None and f.desc is not None for a, f in plans)
-        if not self.ok:
-            return
-        n, args = len(blocks), model.args
-        self.blocks = blocks
-        self.attn = (_ptr * n)(*(a.addr for a, _ in plans))
-        self.ffn = (_ptr * n)(*(f.addr for _, f in plans))
-        self.k, self.e = args.num_experts_per_tok, args.n_routed_experts
+        super().__init__(model, block_plans)
         self.rows = 0
         self.ids = self.scores = None
 
