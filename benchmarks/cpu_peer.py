@@ -26,6 +26,7 @@ for the 1-minute load average to fall below --quiet, and reports the load it sta
     python benchmarks/cpu_peer.py --tables a --threads 1,2 --rounds 7
     python benchmarks/cpu_peer.py --tables q               # the kernels' numerics: quality on the demo
     python benchmarks/cpu_peer.py --tables k --rounds 7    # Kimi's int4g32 expert against int4 and Q4_0
+    python benchmarks/cpu_peer.py --tables ABC             # DeepSeek-V4's tables (benchmarks/peer_v4.py)
 """
 from __future__ import annotations
 
@@ -169,9 +170,10 @@ def llama_bench(model: Path, threads: int, n_prompt: int, n_gen: int) -> dict[st
 # --- (a) one real-width expert -----------------------------------------------------------------------------
 
 GGML_EXPERT_CPP = r'''
-// One DeepSeek-V3 routed expert through ggml's CPU backend at batch 1 (mul_mat, mul_mat, swiglu, mul_mat) over
-// COPIES copies of the weights, in ggml's repack buffer where it has a layout for the type; and a read-bandwidth probe.
-//   ggml_expert TYPE COPIES THREADS REPS [BUFFER]  -> "ms <median per expert> bytes <weight bytes> buffer <name>"
+// One routed expert (DeepSeek-V3's gate/up 2048x7168, down 7168x2048, or I x D) through ggml's CPU backend at batch 1
+// (mul_mat, mul_mat, swiglu, mul_mat) over COPIES copies of the weights, in ggml's repack buffer where it has a layout
+// for the type; and a read-bandwidth probe.
+//   ggml_expert TYPE COPIES THREADS REPS [BUFFER [I D]]  -> "ms <median per expert> bytes <weight bytes> buffer <name>"
 //   (BUFFER: auto = llama.cpp's choice, or AMX | CPU_REPACK | CPU)
 //   ggml_expert bw THREADS                -> "gbs <GB/s>"
 #include "ggml.h"
@@ -230,9 +232,9 @@ int main(int argc, char** argv) {
   if (argc < 5) { fprintf(stderr, "usage: ggml_expert TYPE COPIES THREADS REPS | bw THREADS\n"); return 2; }
   std::string tn = argv[1];
   ggml_type type = tn == "q4_0" ? GGML_TYPE_Q4_0 : tn == "q4_k" ? GGML_TYPE_Q4_K : tn == "q8_0" ? GGML_TYPE_Q8_0
-                 : tn == "bf16" ? GGML_TYPE_BF16 : GGML_TYPE_F32;
+                 : tn == "bf16" ? GGML_TYPE_BF16 : tn == "mxfp4" ? GGML_TYPE_MXFP4 : GGML_TYPE_F32;
   const int copies = atoi(argv[2]), threads = atoi(argv[3]), reps = atoi(argv[4]);
-  const int64_t I = 2048, D = 7168;
+  const int64_t I = argc > 7 ? atoll(argv[6]) : 2048, D = argc > 7 ? atoll(argv[7]) : 7168;
   ggml_backend_load_all();
   ggml_backend_t backend = ggml_backend_cpu_init();
   ggml_backend_cpu_set_n_threads(backend, threads);
@@ -337,12 +339,16 @@ def ggml_expert_bin() -> Path:
     return exe
 
 
-def ggml_expert(kind: str, threads: int, reps: int = 5, buffer: str = "auto") -> tuple[float, int, str]:
-    """(ms per expert, weight bytes, buffer type) of ggml type `kind`; buffer auto: the one llama.cpp picks."""
-    bytes_guess = {"q4_0": 24.8e6, "q4_k": 24.8e6, "q8_0": 46.8e6, "bf16": 88.1e6}[kind]
-    copies = int(ROTATE_BYTES // bytes_guess) + 1
-    out = subprocess.run([str(ggml_expert_bin()), kind, str(copies), str(threads), str(reps), buffer],
-                         capture_output=True, text=True, check=True).stdout.split()
+BITS = {"q4_0": 4.5, "q4_k": 4.5, "q8_0": 8.5, "bf16": 16, "mxfp4": 4.25}      # ggml bits per weight
+
+
+def ggml_expert(kind: str, threads: int, reps: int = 5, buffer: str = "auto", inter: int = EXPERT_I,
+                dim: int = EXPERT_D) -> tuple[float, int, str]:
+    """(ms per expert, weight bytes, buffer type) of ggml type `kind` for an expert of gate/up inter x dim; buffer
+    auto: the one llama.cpp picks."""
+    copies = int(ROTATE_BYTES // (3 * inter * dim * BITS[kind] / 8)) + 1
+    out = subprocess.run([str(ggml_expert_bin()), kind, str(copies), str(threads), str(reps), buffer, str(inter),
+                          str(dim)], capture_output=True, text=True, check=True).stdout.split()
     return float(out[1]), int(out[3]), out[5]
 
 
@@ -354,22 +360,22 @@ def read_bandwidth(threads: int) -> float:
 class ExpertPool:
     """Copies of one random real-width expert in a dsv3lite format, enough of them to rotate past the caches."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, inter: int = EXPERT_I, dim: int = EXPERT_D, act: str | None = None):
         from dsv3lite.quant.formats import get_format
         from dsv3lite.quant.int4 import Int4Format
 
-        self.name = name
+        self.name, self.act = name, act            # act: the mxfp4 kernel's activations (None: its default)
         fmt = Int4Format(128, clip_search=False) if name == "int4" else get_format(name)   # same layout, quicker
-        self.fmt, self.layout = fmt, fmt.layout(EXPERT_I, EXPERT_D)
+        self.fmt, self.layout = fmt, fmt.layout(inter, dim)
         n = max(int(ROTATE_BYTES // self.layout.blob_bytes) + 1, 9)
         gen = torch.Generator().manual_seed(0)
-        w = [torch.randn(EXPERT_I, EXPERT_D, generator=gen) * 0.02, torch.randn(EXPERT_I, EXPERT_D, generator=gen) * 0.02,
-             torch.randn(EXPERT_D, EXPERT_I, generator=gen) * 0.02]
+        w = [torch.randn(inter, dim, generator=gen) * 0.02, torch.randn(inter, dim, generator=gen) * 0.02,
+             torch.randn(dim, inter, generator=gen) * 0.02]
         self.pool = torch.empty(n, self.layout.blob_bytes, dtype=torch.uint8)
         fmt.pack(*w, out=self.pool[0])
         for i in range(1, n):
             self.pool[i].copy_(self.pool[0])
-        self.x = torch.randn(1, EXPERT_D, generator=gen)
+        self.x = torch.randn(1, dim, generator=gen)
 
     def error(self) -> float:
         """Relative error of the kernel's output for self.x against the exact product of the blob's own weights
@@ -378,7 +384,7 @@ class ExpertPool:
         from dsv3lite.quant.layout import swiglu_ref
 
         one = torch.zeros(1, 1, dtype=torch.long)
-        got = cpu_experts_forward(self.x, one, torch.ones(1, 1), self.pool[:1], self.layout)
+        got = cpu_experts_forward(self.x, one, torch.ones(1, 1), self.pool[:1], self.layout, act=self.act)
         want = swiglu_ref(self.x.double(), *(w.double() for w in expert_weights_ref(self.pool[0], self.layout)))
         return ((got.double() - want).norm() / want.norm()).item()
 
@@ -390,7 +396,7 @@ class ExpertPool:
         ptrs = blob_pointers(self.pool, n, self.layout)
         calls = [torch.arange(j, j + per_call)[None] for j in range(0, n - per_call + 1, per_call)]
         w = torch.full((1, per_call), 1.0 / per_call)
-        run = (lambda ids: cpu_experts_forward(self.x, ids, w, self.pool, self.layout, ptrs=ptrs)) \
+        run = (lambda ids: cpu_experts_forward(self.x, ids, w, self.pool, self.layout, ptrs=ptrs, act=self.act)) \
             if self.name != "nf4" else (lambda ids: self.fmt.expert_forward(self.pool[int(ids[0, 0])], self.x, self.layout))
         for ids in calls:
             run(ids)
@@ -596,6 +602,14 @@ def main():
         out["a"]["load"] = load
         print(f"\n(load average at start: {load:.2f})")
         print_a(out["a"])
+    if "A" in args.tables:
+        import peer_v4
+
+        load = wait_for_quiet(args.quiet, args.wait)
+        out["A"] = peer_v4.table_a(threads, args.rounds)
+        out["A"]["load"] = load
+        print(f"\n(load average at start: {load:.2f})")
+        peer_v4.print_a(out["A"])
     if "k" in args.tables:
         load = wait_for_quiet(args.quiet, args.wait)
         out["k"] = table_a(threads, args.rounds, list(KIMI_FORMATS), KIMI_GGML_ROWS)

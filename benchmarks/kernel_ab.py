@@ -31,7 +31,10 @@ def build(source: bytes, out: Path):
     src = out.with_suffix(".cpp")
     src.write_bytes(source)
     subprocess.run([cpu_build._compiler(), *cpu_build.FLAGS, "-o", str(out), str(src)], check=True)
-    return cpu_build._bind(ctypes.CDLL(str(out)))
+    lib = ctypes.CDLL(str(out))           # dsv3_moe alone (a base revision may lack later entry points); a base
+    lib.dsv3_moe.restype = ctypes.c_int   # from before its limit and act arguments ignores them
+    lib.dsv3_moe.argtypes = cpu_build.MOE_ARGTYPES
+    return lib
 
 
 def main():
@@ -45,11 +48,15 @@ def main():
     from dsv3lite.quant.formats import get_format
 
     torch.set_num_threads(args.threads)
-    path = "kernels/csrc/cpu_kernels.cpp"
-    base_src = subprocess.run(["git", "show", f"{args.base}:{path}"], cwd=ROOT, capture_output=True, check=True).stdout
+    def at_base(path: Path) -> bytes:                   # a source file at the base revision (absent: empty)
+        git = subprocess.run(["git", "show", f"{args.base}:{path.relative_to(ROOT)}"], cwd=ROOT, capture_output=True)
+        return git.stdout if git.returncode == 0 else b""
+
+    from dsv3lite.kernels import cpu_build
+
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {args.base: build(base_src, Path(tmp) / "base.so"),
-                "working tree": build((ROOT / path).read_bytes(), Path(tmp) / "new.so")}
+        libs = {args.base: build(cpu_build.source_bytes(at_base), Path(tmp) / "base.so"),
+                "working tree": build(cpu_build.source_bytes(), Path(tmp) / "new.so")}
         print(f"| format | {args.base} ms | working tree ms | ratio |\n|---|---|---|---|")
         for name in args.formats.split(","):
             fmt = get_format(name)
@@ -68,7 +75,7 @@ def main():
                     ids[0, 0], e = e, (e + 1) % n
                     t0 = time.perf_counter()
                     lib.dsv3_moe(x.data_ptr(), 1, ids.data_ptr(), weights.data_ptr(), 1, ptrs.data_ptr(), n,
-                                 desc.data_ptr(), out.data_ptr(), 0, 0)
+                                 desc.data_ptr(), out.data_ptr(), 0, 0, float("inf"), 0)
                     times[label].append(time.perf_counter() - t0)
             old, new = (statistics.median(times[k]) * 1e3 for k in libs)
             print(f"| {name} | {old:.2f} | {new:.2f} | {old / new:.2f}x |")

@@ -2,9 +2,10 @@
 prefill and decode tok/s, on the real-width V4-Flash slice and on the V4-geometry checkpoint, resident and offloaded.
 
 Each configuration runs in a process of its own (so its load time and peak RSS are its own), in alternating rounds;
-the table gives the median of the rounds. Compared: the slice through the engine against the same steps of its
-network run by hand (benchmarks/v4_slice.py's loop: the engine's own cost), and the geometry checkpoint offloaded
-(--slots of its experts on the simulated device tier) against resident.
+the table gives the median of the rounds. Compared: the compiled CPU step (the default: executors/cpu_v4.py) against
+the eager executor (DSV3LITE_CPU_DECODE=eager) on both checkpoints, and the geometry checkpoint offloaded (--slots
+of its experts on the simulated device tier, the compiled attention between the host-scheduled experts) against
+resident; with --by-hand also the slice's network run by hand (benchmarks/v4_slice.py's loop: the engine's cost).
 
     python benchmarks/v4_engine.py --slice-dir /tmp/v4-flash-slice --geometry-dir /tmp/v4-geometry --rounds 3
 
@@ -52,7 +53,7 @@ def run_engine(path: str, prompt: int, tokens: int, slots: int | None) -> dict:
     list(llm.generate(ids, max_tokens=tokens))
     s = llm.stats()
     out = {"load_s": load_s, "prefill_tok_s": s["prefill_tok_s"], "decode_tok_s": s["decode_tok_s"],
-           "peak_rss_gib": peak_rss_gib()}
+           "peak_rss_gib": peak_rss_gib(), "compiled": s["cpu_step"]["whole"] + s["cpu_step"]["by_block"]}
     if slots is not None:
         out["hit_rate"] = s["expert_cache"]["hit_rate"]
     return out
@@ -114,7 +115,7 @@ def main():
     ap.add_argument("--child-slots", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--by-hand", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--by-hand", action="store_true", help="also the slice's network run by hand (eager)")
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -125,36 +126,39 @@ def main():
     ensure(slice_dir, v4_flash_slice_config())
     ensure(geometry_dir, v4_geometry_config())
     common = ["--threads", str(args.threads)]
-    configs = {
-        "slice, engine": [str(slice_dir), "--prompt", str(args.prompt), "--tokens", str(args.tokens)],
-        "slice, network by hand": [str(slice_dir), "--prompt", str(args.prompt), "--tokens", str(args.tokens),
-                                   "--by-hand"],
-        "geometry, resident": [str(geometry_dir), "--prompt", str(args.geometry_prompt), "--tokens",
-                               str(args.geometry_tokens)],
-        f"geometry, offloaded ({args.slots} slots)": [str(geometry_dir), "--prompt", str(args.geometry_prompt),
-                                                      "--tokens", str(args.geometry_tokens), "--child-slots",
-                                                      str(args.slots)],
+    slice_run = [str(slice_dir), "--prompt", str(args.prompt), "--tokens", str(args.tokens)]
+    geometry_run = [str(geometry_dir), "--prompt", str(args.geometry_prompt), "--tokens", str(args.geometry_tokens)]
+    eager = {"DSV3LITE_CPU_DECODE": "eager"}
+    configs = {                                # name -> (child arguments, environment)
+        "slice, compiled": (slice_run, {}),
+        "slice, eager": (slice_run, eager),
+        **({"slice, network by hand": (slice_run + ["--by-hand"], {})} if args.by_hand else {}),
+        "geometry, resident, compiled": (geometry_run, {}),
+        "geometry, resident, eager": (geometry_run, eager),
+        f"geometry, offloaded ({args.slots} slots), compiled": (geometry_run + ["--child-slots", str(args.slots)],
+                                                                {}),
     }
     env = dict(os.environ, DSV3LITE_EXPERT_CACHE=os.environ.get("DSV3LITE_EXPERT_CACHE", "/tmp/v4-expert-cache"))
-    for name, argv in configs.items():        # the expert caches written once, outside the timed rounds
+    for name, (argv, extra) in configs.items():        # the expert caches written once, outside the timed rounds
         if "--by-hand" not in argv:
             subprocess.run([sys.executable, __file__, "--child", *argv, "--tokens", "2", *common], env=env,
                            check=True, capture_output=True)
     results: dict[str, list[dict]] = {name: [] for name in configs}
     for r in range(args.rounds):
-        for name, argv in configs.items():
-            out = subprocess.run([sys.executable, __file__, "--child", *argv, *common], env=env, check=True,
-                                 capture_output=True, text=True).stdout
+        for name, (argv, extra) in configs.items():
+            out = subprocess.run([sys.executable, __file__, "--child", *argv, *common], env={**env, **extra},
+                                 check=True, capture_output=True, text=True).stdout
             results[name].append(json.loads(out.strip().splitlines()[-1]))
             print(f"# round {r + 1} {name}: {results[name][-1]}", file=sys.stderr)
     print(f"# CPU kernels: {cpu_build.status()}; {args.threads} threads; medians of {args.rounds} rounds")
-    print("| configuration | load s | peak RSS GiB | prefill tok/s | decode tok/s | hit rate |")
-    print("|---|---|---|---|---|---|")
+    print("| configuration | load s | peak RSS GiB | prefill tok/s | decode tok/s | hit rate | compiled forwards |")
+    print("|---|---|---|---|---|---|---|")
     for name, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         hit = f"{med['hit_rate']:.0%}" if "hit_rate" in med else "-"
+        compiled = f"{med['compiled']:.0f}" if "compiled" in med else "-"
         print(f"| {name} | {med['load_s']:.1f} | {med['peak_rss_gib']:.2f} | {med['prefill_tok_s']:.1f} | "
-              f"{med['decode_tok_s']:.2f} | {hit} |")
+              f"{med['decode_tok_s']:.2f} | {hit} | {compiled} |")
 
 
 if __name__ == "__main__":

@@ -144,10 +144,11 @@ class BlobExperts(nn.Module):
         return bool(self.fmt.fused_kernel) and dispatch.use_kernels(device)
 
     def cpu_blobs(self):
-        """(blob addresses [E], layout descriptor, tensors read) for the CPU decode step (kernels/cpu_decode.py),
-        or None: not on the CPU, no compiled kernel for the layout, or --cpu-mem tracking each read."""
-        if self.resident_cap is not None or self.blobs.device.type != "cpu" or self.limit is not None or \
-                not cpu_experts.available(self.layout):
+        """(blob addresses [E], layout descriptor, tensors read) for the compiled CPU steps (kernels/cpu_decode.py,
+        kernels/cpu_v4.py, which apply `limit`), or None: not on the CPU, no compiled kernel for the layout, or
+        --cpu-mem tracking each read."""
+        if self.resident_cap is not None or self.blobs.device.type != "cpu" or \
+                not cpu_experts.available(self.layout, self.limit):
             return None
         return (cpu_experts.blob_pointers(self.blobs, self.blobs.shape[0], self.layout),
                 cpu_experts.layout_desc(self.layout), [self.blobs])

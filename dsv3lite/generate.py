@@ -18,7 +18,6 @@ from . import executors
 from .cache import ModelCache
 from .errors import UserError
 from .executors.prefill import prefill_hidden
-from .kernels import cpu_decode
 from .limits import ABSORB_MAX_TOKENS, LAYER_MAJOR_TOKENS, PREFILL_CHUNK
 from .offload.stats import empty_expert_cache_stats
 from .sampling import SamplingParams, sample, sampling_probs
@@ -108,7 +107,7 @@ class RunStats:
 
 # A decode step of a model this small is a few hundred tiny operators: on CPU, waking a second OpenMP thread for
 # each costs more than it saves (measured on the demo model, 2 cores: 1 thread ~20% faster than 2). Larger models
-# decode with every thread, and so does a model the CPU decode step runs whole (kernels/cpu_decode.py: its kernels
+# decode with every thread, and so does a model the CPU decode step runs whole (executors/cpu.py: its kernels
 # use one thread for small matrices by themselves; the demo decodes 1.6-1.8x faster on 2 than on 1): Engine.decode_threads.
 SINGLE_THREAD_DECODE_MAX_ACTIVE_PARAMS = 50_000_000
 
@@ -164,7 +163,6 @@ class Engine:
         self.last = RunStats()
         self.offload = offload                            # the offloading runtime, when experts are offloaded
         self.stop_ids = set(tokenizer.stop_ids) | self.args.stop_ids() if tokenizer is not None else self.args.stop_ids()
-        self._kernel_step = device.type == "cpu" and cpu_decode.covers(model)
         self._eager_threads = decode_threads(self.args, device)      # the size rule, once
         # intra-op threads of every step (threads.py): fixed, or adapting when other programs take cores
         self.threads = threads or ThreadPolicy(torch.get_num_threads(), adaptive=False)
@@ -185,7 +183,7 @@ class Engine:
     def decode_threads(self) -> int | None:
         """Intra-op threads for this engine's decode steps: torch's setting where the CPU decode step runs every
         block (DSV3LITE_CPU_DECODE is read at each step), else decode_threads' size rule."""
-        return None if self._kernel_step and cpu_decode.enabled() else self._eager_threads
+        return None if self._base_executor.runs_whole() else self._eager_threads
 
     # --- public API ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -252,6 +250,7 @@ class Engine:
             "expert_cache": expert,
             "memory": self._memory(),
             "cuda_graphs": self.graphs.stats() if self.graphs is not None else None,
+            "cpu_step": self._base_executor.stats(),
         }
 
     # --- internals ----------------------------------------------------------------------------
@@ -334,8 +333,10 @@ class Engine:
                 gen = torch.Generator().manual_seed(params.seed)
             if self.offload is not None:
                 self.offload.reset_stats()
+            self._base_executor.reset_stats()
             t0 = time.perf_counter()
-            with intra_op_threads(self.threads.current(self.decode_threads)):
+            # prompts run eagerly on every device (the compiled CPU step takes decode steps): the size rule's threads
+            with intra_op_threads(self.threads.current(self._eager_threads)):
                 logits, hidden, start = self._prefill(ids)
                 if self.offload is not None:
                     self.offload.end_prefill()

@@ -511,6 +511,24 @@ def paced(generate, seconds_per_token: float):
     return wrapped
 
 
+class KernelSpy:
+    """Counts the calls of a compiled CPU step's sub-step functions (kernels/cpu_decode.py, cpu_v4.py) that ran (a
+    result) and those left to the eager path (None), patched in through a test's monkeypatch."""
+
+    def __init__(self, monkeypatch, kernels, names=("layers", "attention", "feed_forward")):
+        self.ran = {name: 0 for name in names}
+        self.declined = dict(self.ran)
+        for name in names:
+            monkeypatch.setattr(kernels, name, self._wrap(name, getattr(kernels, name)))
+
+    def _wrap(self, name, real):
+        def call(*a, **kw):
+            out = real(*a, **kw)
+            (self.ran if out is not None else self.declined)[name] += 1
+            return out
+        return call
+
+
 # operators a CUDA graph cannot hold, and that sync a step: reads of tensor data to the host, data-dependent shapes,
 # tensors made from host values
 HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.equal", "aten.is_nonzero", "aten.nonzero",

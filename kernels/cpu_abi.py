@@ -34,7 +34,39 @@ class FfnDesc(ctypes.Structure):
         [(f, _f32) for f in ("eps", "scaling")]
 
 
-STRUCTS = (Lin, AttnDesc, FfnDesc)
+class HcDesc(ctypes.Structure):
+    """One DeepSeek-V4 mHC (hc_attn or hc_ffn) for the V4 kernels (kernels/csrc/cpu_v4.cpp)."""
+    _fields_ = [("fn", _ptr), ("base", _ptr), ("scale", _ptr), ("n", _i64), ("iters", _i64), ("eps", _f32),
+                ("hc_eps", _f32)]
+
+
+class V4AttnDesc(ctypes.Structure):
+    """A DeepSeek-V4 block's attention for dsv4_attention (kernels/cpu_v4.py fills it)."""
+    _fields_ = [("hc", HcDesc)] + [(f, Lin) for f in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "c_wkv", "c_wgate",
+                                                      "i_wq_b", "i_wproj", "i_wkv", "i_wgate")] + \
+        [(f, _ptr) for f in ("attn_norm", "q_norm", "kv_norm", "sink", "c_ape", "c_norm", "i_ape", "i_norm",
+                             "inv_freq")] + \
+        [(f, _i64) for f in ("dim", "heads", "head_dim", "rope", "q_lora", "groups", "window", "ratio", "overlap",
+                             "index_heads", "index_dim", "index_topk")] + [("eps", _f32), ("unused", _f32)]
+
+
+class V4CacheDesc(ctypes.Structure):
+    """The tensors of one V4 block's cache object (dsv3lite/v4/cache.py) for dsv4_attention."""
+    _fields_ = [(f, _ptr) for f in ("ring", "c_cv", "c_g", "c_entries", "i_cv", "i_g", "i_entries")] + \
+        [(f, _i64) for f in ("ring_slots", "c_slots", "i_slots", "entry_cap")]
+
+
+class V4FfnDesc(ctypes.Structure):
+    """A DeepSeek-V4 block's feed-forward (router, routed and shared experts inside mHC) for dsv4_ffn."""
+    _fields_ = [("hc", HcDesc)] + [(f, Lin) for f in ("w1", "w3", "w2", "gate")] + \
+        [(f, _ptr) for f in ("norm", "gate_bias", "tid2eid", "expert_ptrs", "expert_desc")] + \
+        [(f, _i64) for f in ("dim", "n_experts", "topk", "vocab", "tid_bytes", "norm_topk", "act")] + \
+        [(f, _f32) for f in ("eps", "scaling", "limit", "unused")]
+
+
+# each library function that reports layouts, and the structs it knows
+STRUCTS = {"dsv3_struct_layout": (Lin, AttnDesc, FfnDesc),
+           "dsv4_struct_layout": (HcDesc, V4AttnDesc, V4CacheDesc, V4FfnDesc)}
 
 
 def layout_of(struct) -> list[int]:
@@ -50,13 +82,17 @@ def mismatch(lib) -> str | None:
         theirs = lib.dsv3_format_code(name.encode())
         if theirs != code:
             return f"format {name!r} has code {theirs} in the library, {code} in quant/table.py"
-    lib.dsv3_struct_layout.restype = _i64
-    lib.dsv3_struct_layout.argtypes = [ctypes.c_char_p, _ptr, _i64]
-    for struct in STRUCTS:
-        ours = layout_of(struct)
-        buf = (_i64 * 64)()
-        n = lib.dsv3_struct_layout(struct.__name__.encode(), ctypes.addressof(buf), len(buf))
-        theirs = list(buf[:n]) if n >= 0 else None
-        if theirs != ours:
-            return f"struct {struct.__name__} is laid out as {theirs} in the library, {ours} here"
+    for reporter, structs in STRUCTS.items():
+        fn = getattr(lib, reporter, None)
+        if fn is None:
+            return f"it has no {reporter}"
+        fn.restype = _i64
+        fn.argtypes = [ctypes.c_char_p, _ptr, _i64]
+        for struct in structs:
+            ours = layout_of(struct)
+            buf = (_i64 * 64)()
+            n = fn(struct.__name__.encode(), ctypes.addressof(buf), len(buf))
+            theirs = list(buf[:n]) if n >= 0 else None
+            if theirs != ours:
+                return f"struct {struct.__name__} is laid out as {theirs} in the library, {ours} here"
     return None

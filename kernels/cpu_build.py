@@ -22,7 +22,8 @@ from pathlib import Path
 
 from . import cpu_abi
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+# one translation unit: the later files use the first's internals (its row kernels, activations, threads)
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "cpu_v4.cpp"))
 # -ffp-contract=off: the kernels' only fused multiply-adds are the written ones (their twins' rounding steps);
 # -fno-trapping-math: float compares and selects may be vectorized (no value changes: exceptions are never enabled)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fPIC",
@@ -94,12 +95,19 @@ def _build(compiler: str, source: bytes, out: Path) -> None:
                 os.unlink(leftover)
 
 
+def source_bytes(read=Path.read_bytes) -> bytes:
+    """The library's source: SOURCES joined into one translation unit (a #line before each, so compiler messages
+    name the file). read(path) -> bytes (benchmarks/kernel_ab.py reads another revision's)."""
+    return b"".join(f'#line 1 "{p.name}"\n'.encode() + read(p) + b"\n" for p in SOURCES)
+
+
+MOE_ARGTYPES = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int, _c_int, ctypes.c_float,
+                _c_int]
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_moe.restype = _c_int
-    lib.dsv3_moe.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int, _c_int]
-    lib.dsv3_moe_mxfp4.restype = _c_int
-    lib.dsv3_moe_mxfp4.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_int,
-                                   _c_int, ctypes.c_float, _c_int]
+    lib.dsv3_moe.argtypes = MOE_ARGTYPES
     lib.dsv3_linear.restype = _c_int
     lib.dsv3_linear.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int]
     lib.dsv3_attention.restype = _c_int
@@ -109,6 +117,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_layers.restype = _c_int
     lib.dsv3_layers.argtypes = [_c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_ptr,
                                 _c_ptr, _c_ptr, _c_ptr, _c_int]
+    lib.dsv4_hc_pre.restype = _c_int
+    lib.dsv4_hc_pre.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int]
+    lib.dsv4_attention.restype = _c_int
+    lib.dsv4_attention.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int]
+    lib.dsv4_ffn.restype = _c_int
+    lib.dsv4_ffn.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_int]
+    lib.dsv4_layers.restype = _c_int
+    lib.dsv4_layers.argtypes = [_c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr,
+                                _c_ptr, _c_int]
     lib.dsv3_fp8_dequant.restype = _c_int
     lib.dsv3_fp8_dequant.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_int]
     lib.dsv3_int4_quantize.restype = _c_int
@@ -129,7 +146,7 @@ def _load() -> ctypes.CDLL | str:
     try:
         import torch  # noqa: F401  (loaded first: the library's OpenMP then binds to torch's runtime)
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-        source = SOURCE.read_bytes()
+        source = source_bytes()
         key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
         path = cache_dir() / key / "libdsv3lite_cpu.so"
         if not path.exists():

@@ -92,12 +92,16 @@ def _lin(mod: nn.Module, keep: list[torch.Tensor]) -> Lin | None:
     return None
 
 
-def _norm(mod, keep: list[torch.Tensor]) -> int | None:
-    w = getattr(mod, "weight", None)
-    if not _plain(w):
+def _address(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
+    """The address of a plain fp32 tensor the kernel reads (kept in `keep`), or None."""
+    if not _plain(t):
         return None
-    keep.append(w)
-    return w.data_ptr()
+    keep.append(t)
+    return t.data_ptr()
+
+
+def _norm(mod, keep: list[torch.Tensor]) -> int | None:
+    return _address(getattr(mod, "weight", None), keep)
 
 
 def _attention_plan(block) -> _Plan:
@@ -147,6 +151,8 @@ def _ffn_plan(block) -> _Plan:
     bias = gate.bias
     if experts is None:
         return _Plan(None, keep)       # experts the host schedules (offloaded, --cpu-mem): eager by design
+    if getattr(ffn.experts, "limit", None) is not None:
+        return _Plan(None, keep, why="a SwiGLU clamp (the V3 family's descriptor has none)")
     if not _plain(gate.weight) or (bias is not None and not _plain(bias)) \
             or a.n_group > MAX_ROUTER_GROUPS or a.num_experts_per_tok > a.n_routed_experts:
         return _Plan(None, keep, why="a router past the kernel's bounds")
@@ -170,8 +176,8 @@ def _resident_blobs(experts):
     return describe() if describe is not None else None
 
 
-# plans kept per module, outside it (modules are never written by the executors): weak keys, so a module dropped
-# drops its plans; a plan whose tensors moved is rebuilt
+# plans kept per block, outside it (modules are never written by the executors): weak keys, so a block dropped
+# drops its plans; a plan whose tensors moved is rebuilt (the V4 family's blocks keep theirs here too)
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -188,18 +194,31 @@ def _block_plans(block) -> tuple[_Plan, _Plan]:
     return _plan(block, 0, _attention_plan), _plan(block, 1, _ffn_plan)
 
 
-def uncovered(model) -> list[str]:
-    """Why sub-steps of `model`'s blocks run eagerly, one line per distinct reason (nothing when the kernels are
-    absent or off: then everything runs eagerly, and cpu_build already said why)."""
+def plan_reasons(blocks, plans_of) -> list[str]:
+    """Why sub-steps of `blocks` run eagerly, one line per distinct reason (nothing when the kernels are absent or
+    off: then everything runs eagerly, and cpu_build already said why). plans_of(block) -> (attention plan,
+    feed-forward plan): a family's."""
     if not enabled() or cpu_build.library() is None:
         return []
     reasons = []
-    for block in model.blocks():
-        for what, plan in zip(("attention", "feed-forward"), _block_plans(block)):
+    for block in blocks:
+        for what, plan in zip(("attention", "feed-forward"), plans_of(block)):
             line = f"{what}: {plan.why}"
             if plan.desc is None and plan.why and line not in reasons:
                 reasons.append(line)
     return reasons
+
+
+def all_planned(blocks, plans_of) -> bool:
+    """Whether the kernels are there, on, and have a plan for every sub-step of `blocks` (plans_of as above)."""
+    if not enabled() or cpu_build.library() is None:
+        return False
+    return all(a.desc is not None and f.desc is not None for a, f in map(plans_of, blocks))
+
+
+def uncovered(model) -> list[str]:
+    """Why sub-steps of `model`'s blocks run eagerly, one line per distinct reason."""
+    return plan_reasons(model.blocks(), _block_plans)
 
 
 def _fits(cache: torch.Tensor, start: int, seqlen: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -210,28 +229,36 @@ def _fits(cache: torch.Tensor, start: int, seqlen: int, cos: torch.Tensor, sin: 
         and sin.is_contiguous()
 
 
-class _Layers(_Watched):
-    """Every main layer's plans for one model (kept alive here), as the arrays dsv3_layers reads, and routing
-    buffers for its MoE layers; valid while every plan's tensors are."""
+class StepPlans(_Watched):
+    """Every main layer's plans for one model (kept alive here) as the arrays a whole-step kernel reads (`attn`,
+    `ffn`: descriptor addresses per layer); valid while every plan's tensors are. plans_of: the family's."""
 
-    def __init__(self, model):
+    def __init__(self, model, plans_of):
         blocks = list(model.layers)
-        self.plans = [_block_plans(b) for b in blocks]
-        plans = self.plans
+        self.plans = plans = [plans_of(b) for b in blocks]
         super().__init__([r() for a, f in plans for r in a.refs + f.refs])
         self.ok = all(a.desc is not None and f.desc is not None for a, f in plans)
         if not self.ok:
             return
-        n, args = len(blocks), model.args
+        n = len(blocks)
         self.blocks = blocks
         self.attn = (_ptr * n)(*(a.addr for a, _ in plans))
         self.ffn = (_ptr * n)(*(f.addr for _, f in plans))
-        k, e = args.num_experts_per_tok, args.n_routed_experts
+        self.k, self.e = model.args.num_experts_per_tok, model.args.n_routed_experts
+
+
+class _Layers(StepPlans):
+    """StepPlans of a V3-family model, with routing buffers for its MoE layers (dsv3_layers)."""
+
+    def __init__(self, model):
+        super().__init__(model, _block_plans)
+        if not self.ok:
+            return
+        blocks, n, k, e = self.blocks, len(self.blocks), self.k, self.e
         self.ids = torch.zeros(n, ABSORB_MAX_TOKENS * k, dtype=torch.int64)
         self.scores = torch.zeros(n, ABSORB_MAX_TOKENS * e)
         self.ids_ptrs = (_ptr * n)(*(self.ids[i].data_ptr() if b.is_moe else None for i, b in enumerate(blocks)))
         self.score_ptrs = (_ptr * n)(*(self.scores[i].data_ptr() if b.is_moe else None for i, b in enumerate(blocks)))
-        self.k, self.e = k, e
 
 
 _LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -288,9 +315,7 @@ def knows(model) -> bool:
 
 def covers(model) -> bool:
     """Whether the decode step runs every block of `model` (the kernels are there, on, and can read each block)."""
-    if not enabled() or cpu_build.library() is None or not knows(model):
-        return False
-    return all(a.desc is not None and f.desc is not None for a, f in map(_block_plans, model.blocks()))
+    return knows(model) and all_planned(model.blocks(), _block_plans)
 
 
 def _usable(h: torch.Tensor):

@@ -11,9 +11,8 @@ is none, its twin `cpu_experts_ref`; both compute the same math, which differs f
   times their bf16 scale are not rounded to bf16 as its dequantization does (the product in fp32);
 - fp8: each 128x128 block's scale multiplies the block's partial dot in fp32 instead of each weight being
   rounded to bf16 after scaling (bf16(fp32(q) * s)): the weights differ by at most 2^-9 relative;
-- mxfp4 (exact weights): activations int8 per 32-block (as int4's, MXFP4_ACT "int8") or fp32 ("fp32"); its kernel
-  also clamps the SwiGLU at `limit` (DeepSeek-V4's swiglu_limit), which the other formats' kernel lacks (with a
-  limit they run the twin).
+- mxfp4 (exact weights): activations int8 per 32-block (as int4's, MXFP4_ACT "int8") or fp32 ("fp32").
+Every format's kernel clamps the SwiGLU at `limit` where one is given (DeepSeek-V4's swiglu_limit).
 bf16 weights are used as they are. Each token's result is computed the same way whatever else is in the call
 (decode, MTP verification, prefill), in fp32, and the weighted sum adds each product in ascending expert id.
 Formats: bf16, fp8, int8, int4 (group 64 or 128, or 32 with an even number of groups per row), mxfp4, int4g32;
@@ -42,10 +41,10 @@ INT8_ACTIVATIONS = ("int4", "int8", "int4g32")   # formats whose kernels quantiz
 
 
 def supports(layout, limit: float | None = None) -> bool:
-    """Whether blobs of `layout` have a CPU kernel (else their format's own expert_forward runs); with a SwiGLU
-    clamp `limit`, one that clamps (mxfp4's)."""
+    """Whether blobs of `layout` have a CPU kernel (else their format's own expert_forward runs); every kernel
+    applies a SwiGLU clamp `limit`."""
     entry = FORMAT_TABLE.get(layout.format)
-    if entry is None or entry.cpu is None or (limit is not None and layout.format != "mxfp4"):
+    if entry is None or entry.cpu is None:
         return False
     if layout.format == "mxfp4":
         return True
@@ -162,13 +161,9 @@ def cpu_experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
         f"out must be contiguous fp32 {shape}, got {out.dtype} {tuple(out.shape)}"
     assert x.shape[1] == layout.hidden and weights.shape == ids.shape, \
         f"x [T, {layout.hidden}] and weights like ids [T, K] expected"
-    if layout.format == "mxfp4":
-        rc = lib.dsv3_moe_mxfp4(xf.data_ptr(), t, ids.data_ptr(), weights.data_ptr(), k, ptrs.data_ptr(),
-                                ptrs.numel(), layout_desc(layout).data_ptr(), out.data_ptr(), int(per_pair),
-                                int(threads), float("inf") if limit is None else float(limit), _MXFP4_ACTS[act])
-    else:
-        rc = lib.dsv3_moe(xf.data_ptr(), t, ids.data_ptr(), weights.data_ptr(), k, ptrs.data_ptr(), ptrs.numel(),
-                          layout_desc(layout).data_ptr(), out.data_ptr(), int(per_pair), int(threads))
+    rc = lib.dsv3_moe(xf.data_ptr(), t, ids.data_ptr(), weights.data_ptr(), k, ptrs.data_ptr(), ptrs.numel(),
+                      layout_desc(layout).data_ptr(), out.data_ptr(), int(per_pair), int(threads),
+                      float("inf") if limit is None else float(limit), _MXFP4_ACTS[act])
     if rc != 0:
         raise ValueError(f"CPU expert kernel: {'expert id out of range' if rc == -1 else f'error {rc}'}")
     return out if given or x.dtype == torch.float32 else out.to(x.dtype)

@@ -15,29 +15,11 @@ from dsv3lite.executors.cpu import CpuStep
 from dsv3lite.kernels import cpu_decode
 from dsv3lite.loader import load_model
 from dsv3lite.model import Rotary, as_dtype
+from dsv3lite.testing import KernelSpy
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.cpu_kernels]
 CPU = torch.device("cpu")
 PREFILL, STEPS = 8, 6
-
-
-class Spy:
-    """Counts the decode-step calls that ran the kernels (not None) and those left to the eager path: `layers` (every
-    main layer in one call), else `attention` and `feed_forward` per block."""
-
-    def __init__(self, monkeypatch):
-        self.ran = {"layers": 0, "attention": 0, "feed_forward": 0}
-        self.declined = dict(self.ran)
-        for name in self.ran:
-            real = getattr(cpu_decode, name)
-            monkeypatch.setattr(cpu_decode, name, self._wrap(name, real))
-
-    def _wrap(self, name, real):
-        def call(*a, **kw):
-            out = real(*a, **kw)
-            (self.ran if out is not None else self.declined)[name] += 1
-            return out
-        return call
 
 
 @contextlib.contextmanager
@@ -83,7 +65,7 @@ def test_decode_steps_match_transformers(ckpt_factory, monkeypatch, variant):
     with torch.no_grad():
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
         expected = hf(x).logits[0, PREFILL:]
-    spy = Spy(monkeypatch)
+    spy = KernelSpy(monkeypatch, cpu_decode)
     model = load_model(path, CPU, torch.float32, progress=False, log=lambda m: None)
     got, _ = decode_logits(model, x)
     assert spy.ran == {"layers": STEPS, "attention": 0, "feed_forward": 0}, spy.ran
@@ -127,7 +109,7 @@ def greedy(llm, n=12):
 @pytest.mark.parametrize("label", list(ENGINES))
 def test_the_kernel_step_matches_the_eager_step(engines, monkeypatch, label):
     llm = engines(label)
-    spy = Spy(monkeypatch)
+    spy = KernelSpy(monkeypatch, cpu_decode)
     x = prompt()
     eager(monkeypatch)
     want, want_cache = decode_logits(llm.model, x)
@@ -225,7 +207,7 @@ def test_v3_geometry_decode_equals_the_eager_path(tmp_path, monkeypatch):
     eager(monkeypatch)
     want, _ = decode_logits(model, x)
     eager(monkeypatch, False)
-    spy = Spy(monkeypatch)
+    spy = KernelSpy(monkeypatch, cpu_decode)
     got, _ = decode_logits(model, x)
     assert spy.ran["layers"] == STEPS
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

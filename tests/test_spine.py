@@ -13,10 +13,9 @@ import torch
 
 import dsv3lite
 from dsv3lite.kernels import cpu_decode
-from dsv3lite.testing import offload_budget
+from dsv3lite.testing import KernelSpy, offload_budget
 
 from test_architecture import import_graph
-from test_cpu_decode import Spy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +151,7 @@ def test_v32_decodes_through_the_compiled_step_but_its_sparse_attention(ckpt_fac
     monkeypatch.setenv("DSV3LITE_CPU_DECODE", "eager")
     want = greedy(llm, 10)
     monkeypatch.delenv("DSV3LITE_CPU_DECODE")
-    ran = Spy(monkeypatch)
+    ran = KernelSpy(monkeypatch, cpu_decode)
     assert greedy(llm, 10) == want
     n_layers, steps = llm.args.num_hidden_layers, 9
     assert ran.ran["attention"] == 0 and ran.declined["attention"] == steps * n_layers
@@ -180,7 +179,7 @@ def test_offloaded_cpu_decode_runs_compiled_attention_between_the_host_scheduled
     resident = load(v3_dir, **kw)
     offloaded = load(v3_dir, gpu_mem=offload_budget(v3_dir, 8, "bf16", ctx=160, mtp=False), miss_policy="fetch", **kw)
     want = greedy(resident, 8)
-    ran = Spy(monkeypatch)
+    ran = KernelSpy(monkeypatch, cpu_decode)
     assert greedy(offloaded, 8) == want
     args, steps = offloaded.args, 7
     n_moe = len(args.moe_layer_ids)
@@ -221,8 +220,10 @@ def test_the_library_is_checked_against_the_python_side(monkeypatch):
         _fields_ = cpu_abi.Lin._fields_ + [("extra", ctypes.c_int64)]
     Longer.__name__ = "Lin"
     structs = cpu_abi.STRUCTS
-    monkeypatch.setattr(cpu_abi, "STRUCTS", (Longer,))
+    monkeypatch.setattr(cpu_abi, "STRUCTS", {"dsv3_struct_layout": (Longer,)})
     assert "struct Lin" in cpu_abi.mismatch(lib)
+    monkeypatch.setattr(cpu_abi, "STRUCTS", {"dsv4_struct_layout": (cpu_abi.V4FfnDesc, Longer)})
+    assert "struct Lin is laid out as None" in cpu_abi.mismatch(lib)     # V4's reporter knows no Lin
     monkeypatch.setattr(cpu_abi, "STRUCTS", structs)
     monkeypatch.setattr(cpu_abi, "cpu_codes", lambda: {"int4": 7})
     assert "format 'int4' has code 2 in the library, 7" in cpu_abi.mismatch(lib)

@@ -194,16 +194,17 @@ def test_what_v4_does_not_run_yet_is_one_line(official):
 
 
 def test_eager_executor_and_the_predictor_through_mhc(official):
-    """V4 runs on the eager executor on every device (the compiled CPU step and the graphs are the V3 family's);
-    the predictor's distance 0 is the layer event's routing, and a later block's prediction is its own router input
+    """V4 runs on its compiled CPU step on the CPU and on the eager executor on a GPU (the graphs are the V3
+    family's); the predictor's distance 0 is the layer event's routing, and a later block's prediction is its own router input
     of the current streams through its gate (bias, no groups); hash layers are not predicted from the streams."""
     from dsv3lite.executors import choose
+    from dsv3lite.executors.cpu_v4 import V4CpuStep
     from dsv3lite.executors.eager import Eager
     from dsv3lite.offload.predictor import RoutePredictor
 
     model = load_v4(official, released_experts=True)
-    for device in ("cpu", "cuda"):
-        assert type(choose(model, torch.device(device))) is Eager
+    assert type(choose(model, torch.device("cpu"))) is V4CpuStep
+    assert type(choose(model, torch.device("cuda"))) is Eager
     pred = RoutePredictor(model, lookahead=2)
     seen = {}
     handle = model.add_observer(on_layer=lambda block, h, routed: seen.setdefault(
@@ -224,14 +225,22 @@ def test_eager_executor_and_the_predictor_through_mhc(official):
                 assert rows == (gate.scores(x) + gate.bias).topk(2, dim=-1, sorted=False).indices.tolist()
 
 
-def test_geometry_offloaded_equals_resident(v4_geometry_dir):
-    """V4-Flash's routing geometry (43 layers, 256 experts, top-6, 3 hash layers) at about 10% of its experts."""
+def test_geometry_offloaded_equals_resident(v4_geometry_dir, monkeypatch):
+    """V4-Flash's routing geometry (43 layers, 256 experts, top-6, 3 hash layers) at about 10% of its experts; the
+    compiled CPU step (resident: every layer in one call; offloaded: its attention between the host-scheduled
+    experts) decodes the eager executor's tokens."""
     prompt = list(range(5, 17))
-    resident = tokens(load(v4_geometry_dir, mtp=False, ctx_size=64).generate(prompt, max_tokens=6))
+    llm = load(v4_geometry_dir, mtp=False, ctx_size=64)
+    resident = tokens(llm.generate(prompt, max_tokens=6))
+    assert llm.stats()["cpu_step"]["whole"] == 5
+    monkeypatch.setenv("DSV3LITE_CPU_DECODE", "eager")
+    assert tokens(llm.generate(prompt, max_tokens=6)) == resident
+    monkeypatch.delenv("DSV3LITE_CPU_DECODE")
     budget = offload_budget(v4_geometry_dir, 1100, None, ctx=64, mtp=False)
     off = load(v4_geometry_dir, mtp=False, ctx_size=64, gpu_mem=budget, miss_policy="fetch")
     assert off.offload.cache.n_slots == 1100
     assert tokens(off.generate(prompt, max_tokens=6)) == resident
+    assert off.stats()["cpu_step"]["by_block"] == 5
     s = off.stats()["expert_cache"]
     assert s["predictor_by_layer_kind"]["hash"] == {"precision": 1.0, "recall": 1.0}
     assert all(s["per_layer"][i]["demand_misses"] == 0 for i in range(off.args.num_hash_layers))

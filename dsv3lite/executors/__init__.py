@@ -2,7 +2,8 @@
 
     Eager       the model's forward as written (prefill chunks, and the twin of every other executor)
     CpuStep     CPU decode steps through the compiled kernels, one per sub-step, the whole step in one call where
-                nothing watches (cpu.py; kernels/cpu_decode.py)
+                nothing watches (cpu.py; kernels/cpu_decode.py); DeepSeek-V4's: V4CpuStep (cpu_v4.py;
+                kernels/cpu_v4.py)
     GraphStep   GPU decode steps replayed from CUDA graphs: segments of captured sub-steps between the host-scheduled
                 ones (graphs.py)
     prefill_hidden  layer-major prefill of a long prompt (prefill.py)
@@ -21,11 +22,13 @@ from .eager import Eager
 def base(model, device: torch.device, log=None) -> Eager:
     """The executor for `device` without graphs: the compiled step on the CPU for a family it has kernels for, else
     eager."""
-    from ..kernels import cpu_decode
-
-    if device.type == "cpu" and cpu_decode.knows(model):
+    if device.type == "cpu":
         from .cpu import CpuStep
-        return CpuStep(model, device, log)
+        from .cpu_v4 import V4CpuStep
+
+        for step in (CpuStep, V4CpuStep):
+            if step.kernels.knows(model):
+                return step(model, device, log)
     return Eager(model, device, log)
 
 

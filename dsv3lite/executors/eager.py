@@ -14,6 +14,17 @@ class Eager:
         self.model, self.device = model, device
         self.log = log or (lambda msg: None)
 
+    def runs_whole(self) -> bool:
+        """Whether a decode step runs every block through compiled kernels (CpuStep)."""
+        return False
+
+    def stats(self) -> dict | None:
+        """The executor's counters since reset_stats (CpuStep's), or None."""
+        return None
+
+    def reset_stats(self) -> None:
+        """Counters from zero (the Engine calls it as a generation starts)."""
+
     def tokens(self, token_ids: list[int]) -> torch.Tensor:
         return torch.tensor([token_ids], dtype=torch.long, device=self.device)
 

@@ -286,6 +286,9 @@ class Attention(nn.Module):
         bsz, seqlen = o.shape[:2]
         groups = self.args.o_groups
         x = o.reshape(bsz * seqlen, groups, -1).transpose(0, 1)                                # [G, N, in]
+        if not isinstance(self.wo_a, nn.Linear):    # packed (--dense): every group's rows, its own block kept
+            y = self.wo_a(x).view(groups, bsz * seqlen, groups, -1)                            # [G, N, G, R]
+            return torch.stack([y[g, :, g] for g in range(groups)], dim=1).reshape(bsz, seqlen, -1)
         w = self.wo_a.weight.view(groups, -1, x.shape[-1]).transpose(1, 2)                     # [G, in, R]
         return torch.bmm(x, w).transpose(0, 1).reshape(bsz, seqlen, -1)
 

@@ -4,8 +4,9 @@ the streams before hc_head.
 
 Surface used by the engine, executors and offloading (the spine): `args`, `embed`, `layers`, `mtp`, `observers`,
 `blocks()`, `moe_modules()`, `new_cache(capacity, dtype, device)`, `hidden(tokens, start, cache, absorb) -> streams`,
-`logits(streams)`, `mtp_hidden(streams, next_tokens, start, cache, absorb)`, `mtp_logits(mtp_streams)` (absorb is
-the executors' argument, with no meaning here), `token_route_tables()`; each block's sub-steps
+`logits(streams)`, `mtp_prologue(streams, next_tokens)`, `mtp_hidden(streams, next_tokens, start, cache,
+absorb)`, `mtp_logits(mtp_streams)` (absorb is the executors' argument, with no meaning here),
+`token_route_tables()`; each block's sub-steps
 
     attention(x, start, cache)          mHC_attn around the attention, the block's cache written
     router_input(x)                     what the router reads: the ffn mHC pre-collapse of x, then ffn_norm
@@ -159,11 +160,14 @@ class MTP(nn.Module):
         self.hc_head = HyperHead(args)
         self.norm = RMSNorm(d, args.rms_norm_eps)
 
-    def forward(self, emb: torch.Tensor, x: torch.Tensor, start: int, cache=None, tokens=None) -> torch.Tensor:
+    def prologue(self, emb: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """emb [B, S, D]: embeddings of the next tokens; x [B, S, n, D]: the main streams (or the previous draft's
-        MTP streams) -> the MTP block's streams [B, S, n, D]."""
-        y = self.h_proj(self.hnorm(x)) + self.e_proj(self.enorm(emb)).unsqueeze(2)
-        return self.block(y, start, cache, tokens)
+        MTP streams) -> the block's input streams [B, S, n, D]."""
+        return self.h_proj(self.hnorm(x)) + self.e_proj(self.enorm(emb)).unsqueeze(2)
+
+    def forward(self, emb: torch.Tensor, x: torch.Tensor, start: int, cache=None, tokens=None) -> torch.Tensor:
+        """prologue(emb, x) through the block -> the MTP block's streams [B, S, n, D]."""
+        return self.block(self.prologue(emb, x), start, cache, tokens)
 
 
 class Transformer(nn.Module):
@@ -224,6 +228,10 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.logits(self.hidden(tokens))
+
+    def mtp_prologue(self, state: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """The MTP block's input streams for pairs (streams_i, t_{i+1}) [B, S, n, D]."""
+        return self.mtp.prologue(self.embed(next_tokens), state)
 
     def mtp_hidden(self, state: torch.Tensor, next_tokens: torch.Tensor, start: int = 0,
                    cache: SlidingCache | None = None, absorb: bool = False) -> torch.Tensor:

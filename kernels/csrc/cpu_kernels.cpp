@@ -687,6 +687,118 @@ Mat expert_mat(const Desc& d, const uint8_t* blob, int which) {
 
 constexpr int MAX_GROUPS = 1024;
 
+// Routed experts of one MoE layer, any blob format: `P` reads the blobs (StdExperts below: the Mat formats;
+// MxExperts: MXFP4, in its section). Pairs (t, k) whose expert has a blob are grouped by ascending expert id (then
+// t * K + k); phase 1 computes each pair's h = silu(min(gate x, limit)) * clamp(up x, -limit, limit) (limit +inf:
+// the plain SwiGLU, the same bits), phase 2 its down projection, summed per token in ascending expert id (dsv3_moe).
+template <class P>
+int moe_grouped(const P& p, const float* xp, int64_t T, const int64_t* idp, const float* wp, int64_t K,
+                const int64_t* pp, int64_t E, float* op, int per_pair, int threads, float limit) {
+  using A = typename P::A;
+  const int64_t D = p.hidden, I = p.inter, NP = T * K;
+  // begin[e]..begin[e + 1] index `order` (pair indices); `used`: the ids with pairs, ascending
+  int64_t* begin = reinterpret_cast<int64_t*>(scratch(tl_pairs, (3 * E + 1 + NP) * 8));
+  int64_t* cursor = begin + E + 1;
+  int64_t* order = cursor + E;
+  int64_t* used = order + NP;
+  std::fill(begin, begin + E + 1, 0);
+  for (int64_t i = 0; i < NP; ++i) {
+    if (idp[i] < 0 || idp[i] >= E) return -1;
+    begin[idp[i] + 1] += pp[idp[i]] != 0;
+  }
+  int64_t n_used = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (begin[e + 1]) used[n_used++] = e;
+    begin[e + 1] += begin[e];
+  }
+  const int64_t NU = begin[E];
+  std::copy(begin, begin + E, cursor);
+  for (int64_t i = 0; i < NP; ++i)             // stable: ascending t * K + k within an expert
+    if (pp[idp[i]]) order[cursor[idp[i]]++] = i;
+  if (!per_pair) std::memset(op, 0, T * D * sizeof(float));
+  if (NU == 0) return 0;
+
+  const int64_t xb = p.act_bytes(false), hb = p.act_bytes(true);
+  uint8_t* abuf = scratch(tl_acts, T * xb + NU * hb);
+  uint8_t* hprep = abuf + T * xb;
+  float* hbuf = reinterpret_cast<float*>(scratch(tl_hidden, NU * I * 4));
+  const int nthreads = thread_count(threads, p.expert_bytes() * n_used);
+  parallel_items(T, T * D >= 65536 ? nthreads : 1, [&](int64_t t) { p.prepare(xp + t * D, false, abuf + t * xb); });
+
+  // phase 1: gate, up, the (clamped) SwiGLU. Items: (expert, block of RB1 rows of I)
+  constexpr int64_t RB1 = 64;
+  const int64_t blocks1 = (I + RB1 - 1) / RB1;
+  parallel_items(n_used * blocks1, nthreads, [&](int64_t item) {
+    const int64_t e = used[item / blocks1], r0 = item % blocks1 * RB1, r1 = std::min(r0 + RB1, I);
+    const uint8_t* blob = reinterpret_cast<const uint8_t*>(pp[e]);
+    float g[MAX_TOK * RB1], u[MAX_TOK * RB1];
+    for (int64_t p0 = begin[e]; p0 < begin[e + 1]; p0 += MAX_TOK) {
+      const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, begin[e + 1] - p0));
+      A a[MAX_TOK];
+      for (int i = 0; i < nt; ++i) a[i] = p.view(abuf + order[p0 + i] / K * xb, false);
+      p.rows(blob, 0, r0, r1, a, nt, g, RB1);
+      p.rows(blob, 1, r0, r1, a, nt, u, RB1);
+      for (int i = 0; i < nt; ++i)
+        for (int64_t r = r0; r < r1; ++r)
+          hbuf[(p0 + i) * I + r] = silu(std::min(g[i * RB1 + r - r0], limit)) *
+                                   std::min(std::max(u[i * RB1 + r - r0], -limit), limit);
+    }
+  });
+  parallel_items(NU, NU * I >= 16384 ? nthreads : 1,
+                 [&](int64_t q) { p.prepare(hbuf + q * I, true, hprep + q * hb); });
+
+  // phase 2: down and the weighted sum. Items: blocks of RB2 rows of D; experts ascending inside each.
+  constexpr int64_t RB2 = 64;
+  parallel_items((D + RB2 - 1) / RB2, nthreads, [&](int64_t item) {
+    const int64_t r0 = item * RB2, r1 = std::min(r0 + RB2, D);
+    float y[MAX_TOK * RB2];
+    for (int64_t j = 0; j < n_used; ++j) {
+      const int64_t e = used[j];
+      const uint8_t* blob = reinterpret_cast<const uint8_t*>(pp[e]);
+      for (int64_t p0 = begin[e]; p0 < begin[e + 1]; p0 += MAX_TOK) {
+        const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, begin[e + 1] - p0));
+        A a[MAX_TOK];
+        for (int i = 0; i < nt; ++i) a[i] = p.view(hprep + (p0 + i) * hb, true);
+        p.rows(blob, 2, r0, r1, a, nt, y, RB2);
+        for (int i = 0; i < nt; ++i) {
+          const int64_t pair = order[p0 + i];
+          const float* yi = y + i * RB2;
+          if (per_pair) {
+            std::memcpy(op + pair * D + r0, yi, (r1 - r0) * sizeof(float));
+          } else {
+            float* o = op + pair / K * D;
+            const float w = wp[pair];
+            for (int64_t r = r0; r < r1; ++r) o[r] = o[r] + yi[r - r0] * w;
+          }
+        }
+      }
+    }
+  });
+  return 0;
+}
+
+// moe_grouped's reader of the Mat formats' blobs (bf16, fp8, int4, int8, f32, int4g32)
+struct StdExperts {
+  using A = Act;
+  Desc d;
+  int64_t inter, hidden;
+  ActSize xsz, hsz;
+  explicit StdExperts(const int64_t* desc) : d(read_desc(desc)), inter(d.inter), hidden(d.hidden) {
+    const int64_t grp = d.fmt == FP8 ? FP8_BLOCK : d.group;
+    xsz = act_size(d.fmt, hidden, grp);
+    hsz = act_size(d.fmt, inter, grp);
+  }
+  bool fits() const { return xsz.groups <= MAX_GROUPS && hsz.groups <= MAX_GROUPS; }
+  int64_t act_bytes(bool h) const { return (h ? hsz : xsz).bytes(); }
+  int64_t expert_bytes() const { return expert_mat(d, nullptr, 0).row_bytes() * inter * 3; }
+  void prepare(const float* x, bool h, uint8_t* base) const { ::prepare(x, h ? hsz : xsz, base); }
+  Act view(uint8_t* base, bool h) const { return act_view(base, h ? hsz : xsz); }
+  void rows(const uint8_t* blob, int which, int64_t r0, int64_t r1, const Act* a, int nt, float* out,
+            int64_t ostride) const {
+    ::rows(expert_mat(d, blob, which), r0, r1, a, nt, out, ostride);
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -702,107 +814,9 @@ int64_t dsv3_format_code(const char* name) {
   return -1;
 }
 
-// Routed experts of one MoE layer for tokens x [T, D] fp32 with routing ids [T, K] int64 and weights [T, K] fp32.
-// ptrs [E]: address of expert e's blob (0: not computed here). Pairs (t, k) whose expert has a blob are grouped
-// by ascending expert id (then t * K + k). per_pair 0: out [T, D] = sum over those pairs, in ascending expert id,
-// of weights[t, k] * y (each product added to the running sum). per_pair 1: out [T * K, D] gets the unweighted y
-// at row t * K + k (other rows untouched). Returns 0, or -1 for an expert id out of range, -2 for too many groups.
+// dsv3_moe: defined after the MXFP4 section (its reader of MXFP4 blobs lives there)
 int dsv3_moe(const float* xp, int64_t T, const int64_t* idp, const float* wp, int64_t K, const int64_t* pp,
-             int64_t E, const int64_t* desc, float* op, int per_pair, int threads) {
-  const Desc d = read_desc(desc);
-  const int64_t D = d.hidden, I = d.inter;
-  // pairs grouped by expert (counting sort: ascending id, then ascending t * K + k)
-  uint8_t* pbuf = scratch(tl_pairs, (E + 1 + T * K + E) * 8);
-  int64_t* count = reinterpret_cast<int64_t*>(pbuf);                   // [E + 1] -> start offsets
-  int64_t* order = count + E + 1;                                      // [T * K] pair indices
-  int64_t* experts = order + T * K;                                    // [n_used] ascending ids
-  std::fill(count, count + E + 1, 0);
-  for (int64_t i = 0; i < T * K; ++i) {
-    int64_t e = idp[i];
-    if (e < 0 || e >= E) return -1;
-    if (pp[e]) count[e + 1]++;
-  }
-  int64_t n_used = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    if (count[e + 1]) experts[n_used++] = e;
-    count[e + 1] += count[e];
-  }
-  const int64_t P = count[E];
-  for (int64_t i = 0; i < T * K; ++i)          // stable placement; count[e] ends at the start of e + 1
-    if (pp[idp[i]]) order[count[idp[i]]++] = i;
-  for (int64_t e = E; e > 0; --e) count[e] = count[e - 1];
-  count[0] = 0;
-
-  if (!per_pair) std::memset(op, 0, T * D * sizeof(float));
-  if (P == 0) return 0;
-
-  const int64_t grp = d.fmt == FP8 ? FP8_BLOCK : d.group;
-  const ActSize xsz = act_size(d.fmt, D, grp), hsz = act_size(d.fmt, I, grp);
-  if (xsz.groups > MAX_GROUPS || hsz.groups > MAX_GROUPS) return -2;
-  // x prepared per token; h [P, I] fp32, then prepared per pair
-  uint8_t* abuf = scratch(tl_acts, T * xsz.bytes() + P * hsz.bytes());
-  float* hbuf = reinterpret_cast<float*>(scratch(tl_hidden, P * I * 4));
-  uint8_t* hprep = abuf + T * xsz.bytes();
-
-  const int64_t mat_bytes = expert_mat(d, reinterpret_cast<const uint8_t*>(pp[experts[0]]), 0).row_bytes() * I;
-  const int nthreads = thread_count(threads, mat_bytes * 3 * n_used);
-
-  parallel_items(T, T * D >= 65536 ? nthreads : 1,
-                 [&](int64_t t) { prepare(xp + t * D, xsz, abuf + t * xsz.bytes()); });
-
-  // phase 1: gate, up, silu * mul. Items: (expert, block of RB1 rows of I)
-  constexpr int64_t RB1 = 64;
-  const int64_t blocks1 = (I + RB1 - 1) / RB1;
-  parallel_items(n_used * blocks1, nthreads, [&](int64_t item) {
-    const int64_t j = item / blocks1, r0 = (item % blocks1) * RB1, r1 = std::min(r0 + RB1, I);
-    const int64_t e = experts[j];
-    const uint8_t* blob = reinterpret_cast<const uint8_t*>(pp[e]);
-    const Mat gate = expert_mat(d, blob, 0), up = expert_mat(d, blob, 1);
-    float g[MAX_TOK * RB1], u[MAX_TOK * RB1];
-    for (int64_t p0 = count[e]; p0 < count[e + 1]; p0 += MAX_TOK) {
-      const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, count[e + 1] - p0));
-      Act a[MAX_TOK];
-      for (int i = 0; i < nt; ++i) a[i] = act_view(abuf + (order[p0 + i] / K) * xsz.bytes(), xsz);
-      rows(gate, r0, r1, a, nt, g, RB1);
-      rows(up, r0, r1, a, nt, u, RB1);
-      for (int i = 0; i < nt; ++i)
-        for (int64_t r = r0; r < r1; ++r)
-          hbuf[(p0 + i) * I + r] = silu(g[i * RB1 + r - r0]) * u[i * RB1 + r - r0];
-    }
-  });
-  parallel_items(P, P * I >= 16384 ? nthreads : 1,
-                 [&](int64_t p) { prepare(hbuf + p * I, hsz, hprep + p * hsz.bytes()); });
-
-  // phase 2: down and the weighted sum. Items: blocks of RB2 rows of D; experts ascending inside each.
-  constexpr int64_t RB2 = 64;
-  const int64_t blocks2 = (D + RB2 - 1) / RB2;
-  parallel_items(blocks2, nthreads, [&](int64_t item) {
-    const int64_t r0 = item * RB2, r1 = std::min(r0 + RB2, D);
-    float y[MAX_TOK * RB2];
-    for (int64_t j = 0; j < n_used; ++j) {
-      const int64_t e = experts[j];
-      const Mat down = expert_mat(d, reinterpret_cast<const uint8_t*>(pp[e]), 2);
-      for (int64_t p0 = count[e]; p0 < count[e + 1]; p0 += MAX_TOK) {
-        const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, count[e + 1] - p0));
-        Act a[MAX_TOK];
-        for (int i = 0; i < nt; ++i) a[i] = act_view(hprep + (p0 + i) * hsz.bytes(), hsz);
-        rows(down, r0, r1, a, nt, y, RB2);
-        for (int i = 0; i < nt; ++i) {
-          const int64_t pair = order[p0 + i];
-          const float* yi = y + i * RB2;
-          if (per_pair) {
-            std::memcpy(op + pair * D + r0, yi, (r1 - r0) * sizeof(float));
-          } else {
-            float* o = op + (pair / K) * D;
-            const float w = wp[pair];
-            for (int64_t r = r0; r < r1; ++r) o[r] = o[r] + yi[r - r0] * w;
-          }
-        }
-      }
-    }
-  });
-  return 0;
-}
+             int64_t E, const int64_t* desc, float* op, int per_pair, int threads, float limit, int act);
 
 // Dense linear: out [T, N] = x [T, K] @ W^T for one packed matrix: fmt, group; w the weight bytes, s the scales,
 // z the zeros (int4) or null. Returns 0, or -2 for too many groups.
@@ -1136,7 +1150,8 @@ int dsv3_ffn(const FfnDesc* d, const float* h, float* out, int64_t T, int64_t* i
       }
       route(*d, s, choice, ids + t * K, w + t * K);
     }
-    if ((rc = dsv3_moe(x, T, ids, w, K, d->expert_ptrs, E, d->expert_desc, routed, 0, threads))) return rc;
+    if ((rc = dsv3_moe(x, T, ids, w, K, d->expert_ptrs, E, d->expert_desc, routed, 0, threads, INFINITY, 0)))
+      return rc;
   }
   if (I) {
     if ((rc = linear(d->w1, x, T, g, threads)) || (rc = linear(d->w3, x, T, u, threads))) return rc;
@@ -1491,8 +1506,7 @@ int dsv3_int4_quantize(const void* w, int64_t kind, const float* sinv, int64_t n
 // token in that order, as (act 0) int8 per 32-block (symmetric, amax / 127, half-even, as the int8 kernel rounds)
 // multiplied in integers with the values plus 12 (unsigned, for maddubs) and 12 * sum(xq) taken off again, each
 // block's sum times s_w / 2 * s_x (measured faster at 1, 4 and 32 tokens: benchmarks/mxfp4_cpu.py); or (act 1)
-// fp32, each block's partial dot times s_w / 2. The SwiGLU clamps its gate and up at `limit` (DeepSeek-V4's
-// swiglu_limit; +inf: no clamp): h = silu(min(g, limit)) * clamp(u, -limit, limit).
+// fp32, each block's partial dot times s_w / 2. Grouped per layer by moe_grouped, as every format (dsv3_moe).
 namespace {
 
 alignas(32) constexpr int8_t E2M1_X2[32] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
@@ -1683,100 +1697,44 @@ MxMat mx_mat(const int64_t* desc, const uint8_t* blob, int which) {
                mx_padded(which == 2 ? inter : hidden)};
 }
 
-thread_local std::vector<uint8_t> tl_mx_pairs, tl_mx_acts, tl_mx_hidden;
+// moe_grouped's reader of MXFP4 blobs; act 0: int8 activations per 32-block, 1: fp32
+struct MxExperts {
+  using A = MxAct;
+  const int64_t* desc;
+  int64_t inter, hidden;
+  MxActSize xsz, hsz;
+  bool f32act;
+  MxExperts(const int64_t* d, int act)
+      : desc(d), inter(d[2]), hidden(d[3]), xsz(mx_act_size(d[3], act)), hsz(mx_act_size(d[2], act)),
+        f32act(act == 1) {}
+  int64_t act_bytes(bool h) const { return (h ? hsz : xsz).bytes(); }
+  int64_t expert_bytes() const { return inter * hidden * 3 / 2; }
+  void prepare(const float* x, bool h, uint8_t* base) const { mx_prepare(x, h ? hsz : xsz, base); }
+  MxAct view(uint8_t* base, bool h) const { return mx_view(base, h ? hsz : xsz); }
+  void rows(const uint8_t* blob, int which, int64_t r0, int64_t r1, const MxAct* a, int nt, float* out,
+            int64_t ostride) const {
+    mx_rows(mx_mat(desc, blob, which), r0, r1, a, nt, f32act, out, ostride);
+  }
+};
 
 }  // namespace
 
 extern "C" {
 
-// dsv3_moe for MXFP4 blobs with the SwiGLU clamped at `limit` (+inf: none) and activations as `act` (0 int8,
-// 1 fp32): the same arguments, grouping and ascending-id sums. Returns 0, -1 for an expert id out of range, or -2
-// for a descriptor of another format.
-int dsv3_moe_mxfp4(const float* xp, int64_t T, const int64_t* idp, const float* wp, int64_t K, const int64_t* pp,
-                   int64_t E, const int64_t* desc, float* op, int per_pair, int threads, float limit, int act) {
-  if (desc[0] != MXFP4) return -2;
-  const int64_t I = desc[2], D = desc[3];
-  const int64_t NP = T * K;
-  // pairs (t, k) with a blob, grouped by expert: begin[e]..begin[e + 1] index `order`; `used` the ids ascending
-  int64_t* begin = reinterpret_cast<int64_t*>(scratch(tl_mx_pairs, (3 * E + 1 + NP) * 8));
-  int64_t* cursor = begin + E + 1;
-  int64_t* order = cursor + E;
-  int64_t* used = order + NP;
-  std::fill(begin, begin + E + 1, 0);
-  for (int64_t i = 0; i < NP; ++i) {
-    if (idp[i] < 0 || idp[i] >= E) return -1;
-    begin[idp[i] + 1] += pp[idp[i]] != 0;
-  }
-  int64_t n_used = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    if (begin[e + 1]) used[n_used++] = e;
-    begin[e + 1] += begin[e];
-  }
-  const int64_t P = begin[E];
-  std::copy(begin, begin + E, cursor);
-  for (int64_t i = 0; i < NP; ++i)
-    if (pp[idp[i]]) order[cursor[idp[i]]++] = i;
-  if (!per_pair) std::memset(op, 0, T * D * sizeof(float));
-  if (P == 0) return 0;
-
-  const bool f32act = act == 1;
-  const MxActSize xsz = mx_act_size(D, act), hsz = mx_act_size(I, act);
-  uint8_t* abuf = scratch(tl_mx_acts, T * xsz.bytes() + P * hsz.bytes());
-  uint8_t* hprep = abuf + T * xsz.bytes();
-  float* hbuf = reinterpret_cast<float*>(scratch(tl_mx_hidden, P * I * 4));
-  const int nthreads = thread_count(threads, I * D * 3 / 2 * n_used);
-  parallel_items(T, T * D >= 65536 ? nthreads : 1,
-                 [&](int64_t t) { mx_prepare(xp + t * D, xsz, abuf + t * xsz.bytes()); });
-
-  // phase 1: gate, up, the clamped SwiGLU. Items: (expert, block of RB1 rows of I)
-  constexpr int64_t RB1 = 64;
-  const int64_t blocks1 = (I + RB1 - 1) / RB1;
-  parallel_items(n_used * blocks1, nthreads, [&](int64_t item) {
-    const int64_t e = used[item / blocks1], r0 = item % blocks1 * RB1, r1 = std::min(r0 + RB1, I);
-    const uint8_t* blob = reinterpret_cast<const uint8_t*>(pp[e]);
-    const MxMat gate = mx_mat(desc, blob, 0), up = mx_mat(desc, blob, 1);
-    float g[MAX_TOK * RB1], u[MAX_TOK * RB1];
-    for (int64_t p0 = begin[e]; p0 < begin[e + 1]; p0 += MAX_TOK) {
-      const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, begin[e + 1] - p0));
-      MxAct a[MAX_TOK];
-      for (int i = 0; i < nt; ++i) a[i] = mx_view(abuf + order[p0 + i] / K * xsz.bytes(), xsz);
-      mx_rows(gate, r0, r1, a, nt, f32act, g, RB1);
-      mx_rows(up, r0, r1, a, nt, f32act, u, RB1);
-      for (int i = 0; i < nt; ++i)
-        for (int64_t r = r0; r < r1; ++r)
-          hbuf[(p0 + i) * I + r] = silu(std::min(g[i * RB1 + r - r0], limit)) *
-                                   std::min(std::max(u[i * RB1 + r - r0], -limit), limit);
-    }
-  });
-  parallel_items(P, P * I >= 16384 ? nthreads : 1,
-                 [&](int64_t p) { mx_prepare(hbuf + p * I, hsz, hprep + p * hsz.bytes()); });
-
-  // phase 2: down and the weighted sum. Items: blocks of RB2 rows of D; experts ascending inside each.
-  constexpr int64_t RB2 = 64;
-  parallel_items((D + RB2 - 1) / RB2, nthreads, [&](int64_t item) {
-    const int64_t r0 = item * RB2, r1 = std::min(r0 + RB2, D);
-    float y[MAX_TOK * RB2];
-    for (int64_t j = 0; j < n_used; ++j) {
-      const int64_t e = used[j];
-      const MxMat down = mx_mat(desc, reinterpret_cast<const uint8_t*>(pp[e]), 2);
-      for (int64_t p0 = begin[e]; p0 < begin[e + 1]; p0 += MAX_TOK) {
-        const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, begin[e + 1] - p0));
-        MxAct a[MAX_TOK];
-        for (int i = 0; i < nt; ++i) a[i] = mx_view(hprep + (p0 + i) * hsz.bytes(), hsz);
-        mx_rows(down, r0, r1, a, nt, f32act, y, RB2);
-        for (int i = 0; i < nt; ++i) {
-          const int64_t pair = order[p0 + i];
-          if (per_pair) {
-            std::memcpy(op + pair * D + r0, y + i * RB2, (r1 - r0) * sizeof(float));
-          } else {
-            float* o = op + pair / K * D;
-            for (int64_t r = r0; r < r1; ++r) o[r] = o[r] + y[i * RB2 + r - r0] * wp[pair];
-          }
-        }
-      }
-    }
-  });
-  return 0;
+// Routed experts of one MoE layer for tokens x [T, D] fp32 with routing ids [T, K] int64 and weights [T, K] fp32.
+// ptrs [E]: address of expert e's blob (0: not computed here); desc: the blobs' layout (kernels/cpu_experts.py
+// layout_desc). Pairs (t, k) whose expert has a blob are grouped by ascending expert id (then t * K + k). per_pair 0:
+// out [T, D] = sum over those pairs, in ascending expert id, of weights[t, k] * y (each product added to the running
+// sum). per_pair 1: out [T * K, D] gets the unweighted y at row t * K + k (other rows untouched). The SwiGLU is
+// clamped at `limit` (DeepSeek-V4's swiglu_limit; +inf: none); act: MXFP4's activations (0 int8, 1 fp32; the other
+// formats' are fixed by the format). Returns 0, or -1 for an expert id out of range, -2 for too many groups.
+int dsv3_moe(const float* xp, int64_t T, const int64_t* idp, const float* wp, int64_t K, const int64_t* pp,
+             int64_t E, const int64_t* desc, float* op, int per_pair, int threads, float limit, int act) {
+  if (desc[0] == MXFP4)
+    return moe_grouped(MxExperts(desc, act), xp, T, idp, wp, K, pp, E, op, per_pair, threads, limit);
+  const StdExperts std_experts(desc);
+  if (!std_experts.fits()) return -2;
+  return moe_grouped(std_experts, xp, T, idp, wp, K, pp, E, op, per_pair, threads, limit);
 }
 
 }  // extern "C"
