@@ -5,8 +5,8 @@ tables b and c; table a, one expert, is benchmarks/peer_v4.py):
       HCA; 16 experts): decode and prefill, dsv3lite as users run it (MXFP4 experts served as released, the FP8
       dense weights dequantized to fp32) against llama.cpp's GGUF of the same checkpoint. Its converter keeps the
       MXFP4 experts and writes V4's FP8 dense weights as Q8_0 whatever --outtype says (embeddings and head BF16,
-      norms and mHC F32; the rows say "F32", the converter's --outtype), so llama.cpp reads about a quarter of the
-      dense bytes dsv3lite reads: dsv3lite has no packed dense path for V4 yet;
+      norms and mHC F32; the rows say "F32", the converter's --outtype): dsv3lite with its dense weights in fp32
+      (as loaded) and packed to int8 (`--dense int8`, the bytes of Q8_0);
   (c) V4-Flash's geometry at tiny widths (43 layers, 256 experts, top-6, 3 hash layers, the released compression
       ratios, MXFP4 experts): host time per token, dsv3lite resident against llama.cpp F32, and offloaded on the
       simulated device tier at ~10% and ~25% of the experts against resident.
@@ -101,7 +101,8 @@ def main() -> int:
     same = dict(threads=a.threads, ctx_size=ctx)
     if "b" in a.tables:
         path = slice_checkpoint()
-        configs = [("mxfp4 experts + fp32 dense", same, "F32")]
+        configs = [("mxfp4 experts + fp32 dense", same, "F32"),
+                   ("mxfp4 experts + int8 dense", dict(same, dense="int8"), "F32")]
         load = cpu_peer.wait_for_quiet(a.quiet, a.wait)
         res = cpu_peer.compare_models(configs, path, cpu_peer.CACHE / "bench" / "v4-slice-gguf", "F32", a.threads,
                                       a.rounds, prompt(a.prompt, 4096), a.tokens, with_mtp=False)

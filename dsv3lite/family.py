@@ -30,6 +30,7 @@ class Family:
     info_lines: Callable            # (args, MTP runs?) -> `dsv3lite info`'s lines on the architecture
     kv_lines: Callable              # args -> its lines on the KV cache
     info_json: Callable             # args -> keys `dsv3lite info --json` adds for the family
+    packed_info_bytes: Callable     # (args, bytes per weight, info's params, footprint) -> `info --dense`'s bytes
     packs_dense: bool               # whether --dense packs its non-expert weights
 
 
@@ -51,7 +52,7 @@ def _v3() -> Family:
         lambda a: "KV cache: latents + indexer keys" if a.has_indexer else "latent KV cache",
         hf_checkpoint.mtp_status, hf_checkpoint.map_name, lambda name, module: hf_checkpoint.stored_dtype(name),
         lambda a, index: hf_checkpoint.expert_names, lambda a: None, footprint.info_lines, footprint.kv_lines,
-        lambda a: {}, packs_dense=True)
+        lambda a: {}, footprint.packed_info_bytes, packs_dense=True)
 
 
 @functools.cache
@@ -62,4 +63,5 @@ def _v4() -> Family:
         "DeepSeek-V4", loader.V4Loader, sizes.footprint, sizes.resident_components, sizes.workspace_bytes,
         sizes.kv_cache_bytes, lambda a: "KV cache: windows, compressed entries, index keys", loader.mtp_status,
         checkpoint.map_name, lambda name, module: loader.stored_dtype(module), checkpoint.expert_names,
-        lambda a: a.swiglu_limit, sizes.info_lines, sizes.kv_lines, sizes.info_json, packs_dense=False)
+        lambda a: a.swiglu_limit, sizes.info_lines, sizes.kv_lines, sizes.info_json, sizes.packed_info_bytes,
+        packs_dense=True)

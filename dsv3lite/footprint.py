@@ -113,6 +113,18 @@ def unpacked_attention_params(a: ModelArgs) -> int:
     return wkv_b + a.kv_lora_rank + (a.q_lora_rank or 0) + 2 * a.hidden_size
 
 
+def packed_info_bytes(a: ModelArgs, weight_bytes: float, params: dict[str, int], fp: Footprint) -> dict[str, int]:
+    """`info --dense`: the bytes of the components --dense packs (MLA's wkv_b, the latent norms and the layers'
+    norms stay in bf16; embeddings and routers are not packed); params: info's parameters per component."""
+    kept = unpacked_attention_params(a)
+    out = {k: round(params[k] * weight_bytes) for k in ("lm_head", "dense MLPs", "shared experts")}
+    out["attention+norms"] = round((fp.attention - a.num_hidden_layers * kept) * weight_bytes
+                                   + a.num_hidden_layers * kept * 2)
+    if "MTP (non-expert)" in params:
+        out["MTP (non-expert)"] = round((fp.mtp_dense - kept) * weight_bytes + kept * 2)
+    return out
+
+
 # --- what `dsv3lite info` says of the network ------------------------------------------------------------
 
 MTP_OFF = "declared in config.json, absent from the checkpoint (MTP off)"     # `info`, every family

@@ -10,7 +10,7 @@ from pathlib import Path
 from .config import ModelArgs
 from .errors import UserError
 from .family import family_of
-from .footprint import DENSE_WEIGHT_BYTES, Footprint, unpacked_attention_params
+from .footprint import DENSE_WEIGHT_BYTES, Footprint
 
 COMPONENTS = {"embeddings": "embed", "lm_head": "head", "attention+norms": "attention", "dense MLPs": "dense_mlp",
               "routers": "routers", "shared experts": "shared_experts", "routed experts": "routed_experts",
@@ -65,14 +65,8 @@ def inventory(root: Path, dense: str | None = None) -> Inventory:
     if is_quantized_dir(root):
         m = read_manifest(root)
         stored = f"{m.dense_dtype} dense weights, {tier.source.fmt.label} routed experts"
-    if dense is not None:                                 # as PackedLinear holds them (embeddings, routers kept)
-        per, kept = DENSE_WEIGHT_BYTES[dense], unpacked_attention_params(a)
-        for k in ("lm_head", "dense MLPs", "shared experts"):
-            sizes[k] = round(params[k] * per)
-        sizes["attention+norms"] = round((fp.attention - a.num_hidden_layers * kept) * per
-                                         + a.num_hidden_layers * kept * 2)
-        if "MTP (non-expert)" in params:
-            sizes["MTP (non-expert)"] = round((fp.mtp_dense - kept) * per + kept * 2)
+    if dense is not None:                                 # as PackedLinear holds them (the family says which)
+        sizes.update(family.packed_info_bytes(a, DENSE_WEIGHT_BYTES[dense], params, fp))
         stored += f"; non-expert weights packed to {dense} (--dense)"
     return Inventory(a, fp, params, sizes, stored, tier)
 

@@ -130,7 +130,7 @@ def v4_rows():
                     cards.append(f"{p.n_slots:,} ({p.fraction_resident:.0%})")
                 except UserError:
                     cards.append("does not fit")
-            cpu = make_plan(a, 1 << 50, CTX, blob, fmt, dense_bytes=4).resident
+            cpu = make_plan(a, 1 << 50, CTX, blob, fmt, dense_bytes=4, weight_bytes=DENSE_WEIGHT_BYTES["int8"]).resident
             out.append((name, fmt, host, gpu, cards, host + cpu))
     return out
 
@@ -154,10 +154,11 @@ def readme_block() -> str:
               f"CUDA run picks it when its budget needs it, and says so), and within `--gpu-mem 22G` with `--dense "
               f"int4` and int4 experts (`dsv3lite plan --gpu-mem 22G --experts int4 --dense int4 --ctx-size "
               f"{CARD['ctx']} --device cuda`: {card} expert slots after the 1.5 GiB kept for the CUDA context; "
-              f"{plan_slots} with `--device cpu --dtype bfloat16`, which plans the whole budget). On a GPU the packed weights go "
-              f"through the W8A16 / W4A16 kernels; this path has not run on GPU hardware yet."]
+              f"{plan_slots} with `--device cpu --dtype bfloat16`, which plans the whole budget). On a GPU the packed "
+              f"weights go through the W8A16 / W4A16 kernels; this path has not run on GPU hardware yet."]
+    cards = " / ".join(f"{g} GiB" for g in CARDS_GB)
     lines += ["", f"| model | experts | expert blobs (host RAM, or the page cache) | GPU minimum | experts resident, "
-              f"{' / '.join(f'{g} GiB' for g in CARDS_GB)} card ({CARD_CTX // 1024}K context) | CPU-only run |",
+              f"{cards} card ({CARD_CTX // 1024}K context) | CPU-only run, `--dense int8` |",
               "|---|---|---|---|---|---|"]
     for name, fmt, host, gpu, cards, cpu in v4_rows():
         lines.append(f"| {name} | {fmt} (as released) | {format_bytes(host)} | {format_bytes(gpu)} | "
@@ -166,8 +167,8 @@ def readme_block() -> str:
               f"32 weights), the MTP block included; the non-expert weights resident in bf16 (fp32 where the network "
               f"keeps them: mHC, norms, routers), the KV cache of every block's cache object (V4-Flash: 6,880 B per "
               f"token; V4-Pro 9,848), the workspace (estimated from the shapes); a card's budget is its memory less the "
-              f"1.5 GiB CUDA reserve. CPU-only: the expert blobs plus fp32 non-expert weights (--dense is not offered "
-              f"for V4 yet).", END]
+              f"1.5 GiB CUDA reserve. CPU-only: the expert blobs plus the non-expert weights packed to int8 (mHC, "
+              f"norms, routers and embeddings as they are), fp32 activations and caches.", END]
     return "\n".join(lines)
 
 

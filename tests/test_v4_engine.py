@@ -184,13 +184,46 @@ def test_offloaded_speculation_equals_resident(official):
     assert s["expert_cache"]["predictor_by_layer_kind"]["hash"]["recall"] == 1.0
 
 
-def test_what_v4_does_not_run_yet_is_one_line(official):
-    from dsv3lite.errors import UserError
+def test_dense_packs_v4_and_plan_and_info_count_it(official, monkeypatch, capsys):
+    """--dense int8 on the CPU: the loader packs V4's projections, shared experts, head and MTP projections while
+    loading; the compiled step decodes with them the tokens the eager executor gives; greedy output stays close to
+    the unpacked model's; `plan` and `info` count the packed bytes (fewer than unpacked), and a run's packed bytes
+    are what the plan says."""
+    import json
 
-    with pytest.raises(UserError, match="--dense is not supported for DeepSeek-V4"):
-        load(official, dense="int8")
     from dsv3lite.cli import main
-    assert main(["plan", "-w", str(official), "--gpu-mem", "1G", "--dense", "int8"]) != 0
+    from dsv3lite.dense import PackedLinear
+
+    logs = []
+    llm = dsv3lite.load(official, device="cpu", ctx_size=CTX, progress=False, log=logs.append, mtp=False,
+                        dense="int8")
+    llm.stop_ids = set()
+    assert any("dense weight matrices to int8" in m for m in logs)
+    packed = [m for m in llm.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and llm.model.head in packed
+    got = tokens(llm.generate(PROMPT, max_tokens=12))
+    assert llm.stats()["cpu_step"]["whole"] == 11
+    monkeypatch.setenv("DSV3LITE_CPU_DECODE", "eager")
+    assert tokens(llm.generate(PROMPT, max_tokens=12)) == got
+    monkeypatch.delenv("DSV3LITE_CPU_DECODE")
+    plain = tokens(load(official, mtp=False).generate(PROMPT, max_tokens=12))
+    assert sum(a == b for a, b in zip(got, plain)) >= 6           # int8 weights: close to the unpacked model
+    capsys.readouterr()
+    sizes = {}
+    for dense in (None, "int8"):
+        assert main(["info", "-w", str(official), "--json"] + (["--dense", dense] if dense else [])) == 0
+        sizes[dense] = json.loads(capsys.readouterr().out)["component_bytes"]
+    assert sizes["int8"]["attention+norms"] < sizes[None]["attention+norms"]
+    assert sizes["int8"]["embeddings"] == sizes[None]["embeddings"]           # embeddings are not packed
+    from dsv3lite.config import ModelArgs
+    from dsv3lite.v4 import sizes as v4_sizes
+    from dsv3lite.footprint import DENSE_WEIGHT_BYTES
+
+    a = ModelArgs.from_dir(official)
+    planned = v4_sizes.resident_components(a, 4, False, DENSE_WEIGHT_BYTES["int8"])
+    held = sum(m.nbytes for m in packed)
+    assert held <= sum(planned.values()) - planned["embeddings"] - planned["routers (fp32)"]
+    assert main(["plan", "-w", str(official), "--gpu-mem", "1G", "--dense", "int8", "--device", "cpu"]) == 0
 
 
 def test_eager_executor_and_the_predictor_through_mhc(official):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dense import packable
 from ..footprint import MTP_OFF, SLACK_BYTES, Footprint
 from ..limits import MAX_DRAFT_TOKENS, PREFILL_CHUNK
 from .attention import SCORE_ELEMENTS, Rotary
@@ -37,15 +38,21 @@ def block_params(a: V4Args, layer_id: int) -> dict[str, int]:
     return out
 
 
-def block_bytes(a: V4Args, layer_id: int, dtype: torch.dtype, prefix: str) -> dict[str, int]:
+def block_bytes(a: V4Args, layer_id: int, dtype: torch.dtype, prefix: str,
+                weight_bytes: float | None = None) -> dict[str, int]:
     """Bytes of one block's non-expert groups as the loader keeps them (fp32 mHC, norms and router, int32 tid2eid,
-    the rest in `dtype`); prefix: the block's module name prefix (layers.N. or mtp.block.)."""
+    the rest in `dtype`; with weight_bytes, --dense's bytes per weight of every matrix it packs); prefix: the
+    block's module name prefix (layers.N. or mtp.block.)."""
     with torch.device("meta"):
         block = Block(a, layer_id, Rotary(a, False), Rotary(a, True))
     out = dict.fromkeys(("attention", "shared", "router"), 0)
     for name, t in _tensors(block):
         group = _group(name)
-        if group != "routed":
+        if group == "routed":
+            continue
+        if weight_bytes is not None and packable(block, name):
+            out[group] += round(t.numel() * weight_bytes)
+        else:
             out[group] += t.numel() * kept_dtype(prefix + name, dtype).itemsize
     return out
 
@@ -94,18 +101,29 @@ def footprint(a: V4Args) -> Footprint:
 
 def resident_components(a: V4Args, dense_bytes: int, mtp: bool, weight_bytes: float | None = None) -> dict[str, int]:
     """Bytes per resident component of a plan: every non-expert tensor as the loader keeps it (the compute dtype
-    of `dense_bytes`, fp32 where the network keeps fp32). weight_bytes: --dense, which V4 does not offer (the
-    planner refuses it first)."""
+    of `dense_bytes`, fp32 where the network keeps fp32). weight_bytes: bytes per weight of the matrices --dense
+    packs (dense.packable: the projections, the shared experts, the head, the MTP block's e_proj / h_proj)."""
     dtype = {2: torch.bfloat16, 4: torch.float32}[dense_bytes]
-    blocks = _by_kind(a, lambda i: block_bytes(a, i, dtype, f"layers.{i}."), range(a.num_hidden_layers))
+    blocks = _by_kind(a, lambda i: block_bytes(a, i, dtype, f"layers.{i}.", weight_bytes), range(a.num_hidden_layers))
     d, vocab, mix = a.hidden_size, a.vocab_size, _head_mix_params(a)
-    out = {"embeddings": vocab * d * dense_bytes, "lm_head": 0 if a.tie_word_embeddings else vocab * d * dense_bytes,
+    matrix = dense_bytes if weight_bytes is None else weight_bytes          # a packed Linear's bytes per weight
+    out = {"embeddings": vocab * d * dense_bytes, "lm_head": 0 if a.tie_word_embeddings else round(vocab * d * matrix),
            "attention + mHC + norms": sum(b["attention"] for b in blocks) + (d + mix) * 4,
            "shared experts": sum(b["shared"] for b in blocks),
            "routers (fp32)": sum(b["router"] for b in blocks)}
     if _with_mtp(a, mtp):        # its block, e_proj and h_proj, three norms and an hc_head (fp32)
-        own = block_bytes(a, a.mtp_layer_id, dtype, "mtp.block.")
-        out["MTP (non-expert)"] = sum(own.values()) + 2 * d * d * dense_bytes + (3 * d + mix) * 4
+        own = block_bytes(a, a.mtp_layer_id, dtype, "mtp.block.", weight_bytes)
+        out["MTP (non-expert)"] = sum(own.values()) + round(2 * d * d * matrix) + (3 * d + mix) * 4
+    return out
+
+
+def packed_info_bytes(a: V4Args, weight_bytes: float, params: dict[str, int], fp: Footprint) -> dict[str, int]:
+    """`info --dense`: the bytes of the components --dense packs, as a run keeps them (inventory.py)."""
+    comps = resident_components(a, 2, "MTP (non-expert)" in params, weight_bytes)
+    out = {"lm_head": comps["lm_head"], "shared experts": comps["shared experts"],
+           "attention+norms": comps["attention + mHC + norms"]}
+    if "MTP (non-expert)" in params:
+        out["MTP (non-expert)"] = comps["MTP (non-expert)"]
     return out
 
 
