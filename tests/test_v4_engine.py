@@ -186,9 +186,9 @@ def test_offloaded_speculation_equals_resident(official):
 
 def test_dense_packs_v4_and_plan_and_info_count_it(official, monkeypatch, capsys):
     """--dense int8 on the CPU: the loader packs V4's projections, shared experts, head and MTP projections while
-    loading; the compiled step decodes with them the tokens the eager executor gives; greedy output stays close to
-    the unpacked model's; `plan` and `info` count the packed bytes (fewer than unpacked), and a run's packed bytes
-    are what the plan says."""
+    loading; the compiled step (the prompt too, over packed weights) gives the eager executor's tokens, and MTP
+    speculation the same tokens; greedy output stays close to the unpacked model's; `plan` and `info` count the
+    packed bytes (fewer than unpacked), and a run holds no more packed bytes than the plan counts."""
     import json
 
     from dsv3lite.cli import main
@@ -202,10 +202,12 @@ def test_dense_packs_v4_and_plan_and_info_count_it(official, monkeypatch, capsys
     packed = [m for m in llm.model.modules() if isinstance(m, PackedLinear)]
     assert packed and llm.model.head in packed
     got = tokens(llm.generate(PROMPT, max_tokens=12))
-    assert llm.stats()["cpu_step"]["whole"] == 11
+    assert llm.stats()["cpu_step"] == {"whole": 12, "by_block": 0, "eager": 0}         # the prompt and 11 steps
     monkeypatch.setenv("DSV3LITE_CPU_DECODE", "eager")
     assert tokens(llm.generate(PROMPT, max_tokens=12)) == got
     monkeypatch.delenv("DSV3LITE_CPU_DECODE")
+    spec = load(official, mtp=True, dense="int8", num_draft_tokens=2, mtp_adaptive=False)
+    assert tokens(spec.generate(PROMPT, max_tokens=12)) == got and spec.stats()["cpu_step"]["eager"] == 0
     plain = tokens(load(official, mtp=False).generate(PROMPT, max_tokens=12))
     assert sum(a == b for a, b in zip(got, plain)) >= 6           # int8 weights: close to the unpacked model
     capsys.readouterr()

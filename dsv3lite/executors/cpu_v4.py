@@ -6,15 +6,20 @@ With nothing watching, every main layer runs in one kernel call (`cpu_v4.layers`
 attention kernel; the observers (the offloading predictor gets the feed-forward's router input and routing); the
 feed-forward kernel, or, where the host schedules the experts (offloaded, --cpu-mem) or the route is wanted ahead,
 the feed-forward's mHC pre through its kernel and the MoE and mHC post eagerly. The MTP block runs its two
-sub-steps through the kernels too. Prompts (more tokens a forward) run eagerly: the model's batched operators, and
-layer-major prefill (prefill.py) for long ones (the kernels' row dots read a weight once per few tokens: on the
-real-width slice they prefill slower than the batched operators, benchmarks/RESULTS.md).
+sub-steps through the kernels too. Prompts (more tokens a forward) take the kernels too when the dense weights are
+packed (--dense: the kernels' packed row dots beat the batched operators' dequantizing ones); with fp32 dense
+weights they run eagerly, the model's batched operators (the kernels' row dots read a weight once per few tokens:
+on the real-width slice they prefill slower, benchmarks/RESULTS.md). Prompts longer than a chunk go layer-major
+(prefill.py) either way.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ..cache import ModelCache
+from ..dense import PackedLinear
 from ..kernels import cpu_v4
 from .cpu import CpuStep
 
@@ -22,10 +27,19 @@ from .cpu import CpuStep
 class V4CpuStep(CpuStep):
     kernels = cpu_v4
 
+    @functools.cached_property
+    def packed(self) -> bool:
+        """Whether --dense packed the blocks' dense weights (then prompts take the kernels too)."""
+        return any(isinstance(m, PackedLinear) for m in self.model.layers[0].modules())
+
+    def takes(self, absorb: bool) -> bool:
+        """Whether a forward goes to the kernels: a decode step or verification, or a prompt over packed weights."""
+        return self.on() and (absorb or self.packed)
+
     def hidden(self, token_ids: list[int], start: int, cache: ModelCache, absorb: bool) -> torch.Tensor:
         model = self.model
         tokens = self.tokens(token_ids)
-        if not absorb or not self.on():
+        if not self.takes(absorb):
             self.forwards["eager"] += 1
             return model.hidden(tokens, start, cache)
         x = model.prologue(tokens)
@@ -43,7 +57,7 @@ class V4CpuStep(CpuStep):
     def mtp_hidden(self, hidden: torch.Tensor, next_ids: list[int], start: int, cache, absorb: bool) -> torch.Tensor:
         model = self.model
         tokens = self.tokens(next_ids)
-        if not absorb or not self.on():
+        if not self.takes(absorb):
             self.forwards["eager"] += 1
             return model.mtp_hidden(hidden, tokens, start, cache)
         self.forwards["by_block"] += 1
