@@ -68,6 +68,7 @@ class Parts:
 
 def parts(dense: str, ctx: int) -> Parts:
     """The byte counts from the format's layout and the network's sizes (V4-Flash's config.json)."""
+    from dsv3lite.footprint import DENSE_WEIGHT_BYTES
     from dsv3lite.quant.mxfp4 import Mxfp4Format
     from dsv3lite.testing_v4 import flash_config
     from dsv3lite.v4.config import V4Args
@@ -75,10 +76,9 @@ def parts(dense: str, ctx: int) -> Parts:
 
     a = V4Args.from_dict(flash_config())
     layout = Mxfp4Format.create().layout(a.moe_intermediate_size, a.hidden_size)
-    res = resident_components(a, 2, mtp=False)
+    # --dense fp8: the matrices --dense packs at FP8's bytes a weight (as released), the rest as kept
+    res = resident_components(a, 2, mtp=False, weight_bytes=DENSE_WEIGHT_BYTES["fp8"] if dense == "fp8" else None)
     read = sum(v for k, v in res.items() if k != "embeddings")
-    if dense == "fp8":              # FP8 as released (1 byte a weight; fp32 parts stay): not offered for V4 yet
-        read -= (res["attention + mHC + norms"] + res["shared experts"] + res["lm_head"]) / 2
     return Parts(layout.blob_bytes, read, kv_cache_bytes(a, ctx, False, 2),
                  a.num_hidden_layers * a.num_experts_per_tok)
 
@@ -107,7 +107,7 @@ def main():
                     help="ASSUMED host read bandwidth, GB/s (dual-channel DDR5-6000: 96 peak, ~64 read)")
     ap.add_argument("--host-cores", type=int, default=8, help="ASSUMED cores computing misses (enough to saturate it)")
     ap.add_argument("--dense", choices=("bf16", "fp8"), default="bf16",
-                    help="non-expert weights as dsv3lite keeps them today (bf16) or as released (fp8)")
+                    help="non-expert weights as dsv3lite keeps them by default (bf16) or with --dense fp8")
     ap.add_argument("--ctx", type=int, default=4096, help="context the KV read is counted at")
     ap.add_argument("--trace", default="synthetic", help="which simulated trace's hit counts: " + ", ".join(SIM))
     args = ap.parse_args()
