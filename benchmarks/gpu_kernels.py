@@ -66,10 +66,13 @@ V3["v4"] = dict(V3, hidden=4096, inter=2048, experts=256, top_k=6, prefill_token
                 attention=(("CSA 64K", 16384, 512, 1, (1, 8, 32)), ("HCA 64K", 512, 0, 1, (1, 8, 32)),
                            ("HCA 1M", 8192, 0, 1, (1, 8)), ("sliding", 0, 0, 1, (1, 32)),
                            ("CSA 64K verify", 16384, 512, 4, (1,))),
-                index_heads=64, index_dim=128, indexer=((16384, (1, 8)), (262144, (1,))))
+                index_heads=64, index_dim=128, indexer=((16384, (1, 8)), (262144, (1,))),
+                compressors=(("CSA", 512, 4, True, (1, 8)), ("CSA indexer", 128, 4, True, (1, 8)),
+                             ("HCA", 512, 128, False, (1, 8))))
 TINY["v4"] = dict(TINY, top_k=3, swiglu_limit=0.5, head_dim=32, window=8, ring=11,
                   attention=(("CSA", 20, 6, 1, (1, 2)), ("HCA", 5, 0, 2, (1,)), ("sliding", 0, 0, 1, (1,))),
-                  index_heads=9, index_dim=16, indexer=((300, (1, 2)),))
+                  index_heads=9, index_dim=16, indexer=((300, (1, 2)),),
+                  compressors=(("CSA", 32, 4, True, (1, 2)), ("HCA", 32, 16, False, (1,))))
 # V3's softmax scale: 192^-0.5 * mscale^2, mscale = 0.1 * ln(40) + 1 (YaRN factor 40, mscale_all_dim 1)
 MLA_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2
 L2_DEFEAT_BYTES = 256 << 20   # rotate through copies until this many bytes separate two reads of one copy
@@ -616,6 +619,43 @@ def _v4_indexer_table(b: Bench, V: dict, dtype):
             f"{dtype}; the top-k after it is torch's)", ["keys", "context", "batch", "MB read", "GPU us", "eager us",
                                                       "GB/s", "% of copy peak", "max err (rel)", "check"], rows,
             ["at 1M context this scan is the largest read of a V4-Flash decode step (docs/dsv4-math.md §8)"])
+    _v4_compressor_table(b, V, dtype)
+
+
+def _v4_compressor_table(b: Bench, V: dict, dtype):
+    from dsv3lite.kernels.v4_compressor import compress_entry, compress_entry_ref
+
+    rows = []
+    for name, width, ratio, overlap, batches in V["compressors"]:
+        for batch in batches:
+            if b.left_s() < 4:
+                print(f"  v4attn: budget spent, skipping the {name} compressor batch={batch}", file=sys.stderr)
+                continue
+            gen = torch.Generator().manual_seed(width + batch)
+            ring_rows, channels = ratio * (2 if overlap else 1) + 3, width * (2 if overlap else 1)
+            cv = torch.randn(batch, ring_rows, channels, generator=gen).to(b.device)
+            g = torch.randn(batch, ring_rows, channels, generator=gen).to(b.device)
+            weight = torch.rand(width, generator=gen).to(b.device) + 0.5
+            window = 1000
+            angles = torch.rand(V["rope_dim"] // 2, generator=gen) * 6
+            cos, sin = angles.cos().to(b.device, dtype), angles.sin().to(b.device, dtype)
+            entries = torch.zeros(batch, window + 1, width, device=b.device, dtype=dtype)
+            kernel = partial(compress_entry, cv, g, entries, window, ratio, overlap, weight, 1e-6, cos, sin)
+            twin = partial(compress_entry_ref, cv, g, window, ratio, overlap, weight, 1e-6, cos, sin, dtype)
+            kernel()
+            err, ok = b.check(f"compressor {name} batch={batch}", entries[:, window], twin(), 2e-2)
+            gpu, eager, ops = b.gpu_ms([kernel]), b.eager_ms([kernel]), b.eager_ms([twin])
+            nbytes = batch * (2 if overlap else 1) * ratio * width * 2 * 4        # the window's Cv and G, fp32
+            rows.append([name, width, ratio, batch, nbytes / 1e6, ms_us(gpu), ms_us(eager), ms_us(ops), ops / eager,
+                         err, ok])
+            del cv, g, entries
+            free()
+    b.table("v4attn", f"compress_entry: a compressor's entry at decode (pooled from the fp32 rings, normed, rotated; "
+            f"{dtype})", ["compressor", "width", "ratio", "batch", "MB read", "GPU us", "eager us", "operators us",
+                          "operators / kernel (eager)", "max err (rel)", "check"], rows,
+            ["operators: the twin, the eager path's operators (ring gathers, softmax, norm, rotation) that the kernel "
+             "replaces; both timed as launched", "a CSA layer pools two entries every 4 tokens, an HCA layer one "
+             "every 128"])
 
 
 SECTIONS = {"peaks": section_peaks, "moe": section_moe, "mla": section_mla, "gemv": section_gemv,
@@ -650,7 +690,7 @@ def main() -> int:
         return 2
     if args.dry_run:
         import dsv3lite.kernels.fused_moe, dsv3lite.kernels.mla_decode, dsv3lite.kernels.quant_matmul  # noqa: F401
-        import dsv3lite.kernels.v4_attention  # noqa: F401
+        import dsv3lite.kernels.v4_attention, dsv3lite.kernels.v4_compressor  # noqa: F401
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"kernels_{'_'.join(sections)}.md").write_text(
             f"### kernels (dry run): sections {', '.join(sections)}, budget {args.budget_s:.0f} s\n")

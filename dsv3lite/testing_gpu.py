@@ -153,7 +153,7 @@ KIMI_HEADS = 64           # Kimi-K2: V3's widths with 64 heads; its released exp
 # DeepSeek-V4-Flash: mxfp4 routed experts with the SwiGLU clamp, MQA attention over 512-wide rows (V4-Pro: 128
 # heads, 1,024 top-k)
 V4 = dict(hidden=4096, inter=2048, top_k=6, heads=64, head_dim=512, window=128, index_topk=512, swiglu_limit=10.0,
-          index_heads=64, index_dim=128)
+          index_heads=64, index_dim=128, rope_dim=64)
 MOE_FORMATS = (("int4", 128), ("int4", 32), ("fp8", 128), ("bf16", 128), ("int4g32", 32))
 # (dtype, rows) per weight-reading launcher: batch-1 decode, tensor cores with 16-bit and fp32 x, 2 fp32 rows
 DECODE_SHAPES = (("bfloat16", 1), ("float16", 16), ("float32", 16), ("float32", 2))
@@ -209,6 +209,24 @@ def _v4_indexer_case(dtype, keys, sq=1):
         q = torch.empty(1, sq, V4["index_heads"], V4["index_dim"], dtype=dt, device=device)
         weights = torch.empty(1, sq, V4["index_heads"], dtype=torch.float32, device=device)
         index_scores(q, weights, torch.empty(1, keys, V4["index_dim"], dtype=dt, device=device), 4 * keys, 4)
+    return run
+
+
+def _v4_compressor_case(dtype, width, ratio, overlap):
+    """A V4 compressor's entry at decode: `width` wide (512: the attention's; 128: the indexer's keys) from fp32 rings
+    of a window (two with overlap) plus the drafts' rows, written into the last of a 64K-token cache's entries."""
+    def run(device="cpu"):
+        import torch
+
+        from .kernels.v4_compressor import compress_entry
+
+        rows = ratio * (2 if overlap else 1) + 3
+        channels = width * (2 if overlap else 1)
+        ring = torch.empty(1, rows, channels, dtype=torch.float32, device=device)
+        entries = torch.empty(1, (1 << 16) // ratio, width, dtype=getattr(torch, dtype), device=device)
+        tables = torch.empty(V4["rope_dim"] // 2, dtype=getattr(torch, dtype), device=device)
+        compress_entry(ring, ring, entries, entries.shape[1] - 1, ratio, overlap,
+                       torch.empty(width, dtype=torch.float32, device=device), 1e-6, tables, tables)
     return run
 
 
@@ -277,6 +295,12 @@ def _cases() -> dict:
     cases["v4attn indexer bfloat16 Flash 1M verify"] = (_v4_indexer_case("bfloat16", 262144, sq=4), every)
     cases["v4attn indexer float32 Flash 1M"] = (_v4_indexer_case("float32", 262144), every)   # several tiles a program
     cases["v4attn bfloat16 Pro CSA verify"] = (_v4_attention_case("bfloat16", 128, 16384, 1024, sq=4), every)
+    # the compressors' entries at decode: CSA's (overlapping, ratio 4), its indexer's keys, HCA's (ratio 128)
+    for dt in DTYPES:
+        cases[f"v4attn compressor {dt} Flash CSA"] = (_v4_compressor_case(dt, V4["head_dim"], 4, True), every)
+        cases[f"v4attn compressor {dt} Flash HCA"] = (_v4_compressor_case(dt, V4["head_dim"], 128, False), every)
+    cases["v4attn compressor bfloat16 Flash indexer"] = (_v4_compressor_case("bfloat16", V4["index_dim"], 4, True),
+                                                         every)
     for fmt in ("int4", "fp8"):
         for dt, m in DECODE_SHAPES:
             archs = every if fmt == "fp8" or m == 1 else FULL + (80,)

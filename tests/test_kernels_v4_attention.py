@@ -1,7 +1,8 @@
-"""DeepSeek-V4 decode attention (kernels/v4_attention.py) and indexer scores (kernels/v4_indexer.py): the twin is
-the eager attention's math on a real decode state (window ring, CSA selection, HCA entries), the Triton kernels (in
-the interpreter without a GPU) match their twins at small widths and at V4-Flash's (512-wide rows and 64 heads;
-64 index heads of 128), and a tiny V4 decodes the same through them."""
+"""DeepSeek-V4 decode attention (kernels/v4_attention.py), indexer scores (kernels/v4_indexer.py) and the
+compressors' entries (kernels/v4_compressor.py): each twin is the eager math on a real decode state (window ring,
+CSA selection, HCA entries, the compressors' rings), the Triton kernels (in the interpreter without a GPU) match their
+twins at small widths and at V4-Flash's (512-wide rows and 64 heads; 64 index heads of 128; 512- and 128-wide
+entries), and a tiny V4 decodes the same through them."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ from dsv3lite.v4.cache import new_cache
 
 triton = pytest.importorskip("triton")
 from dsv3lite.kernels.v4_attention import v4_decode_attention, v4_decode_attention_ref  # noqa: E402
+from dsv3lite.kernels.v4_compressor import compress_entry, compress_entry_ref  # noqa: E402
 from dsv3lite.kernels.v4_indexer import index_scores, index_scores_ref  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -158,23 +160,90 @@ def test_index_scores_match_twin(heads, dim, n, sq, dtype):
 
 def test_tiny_v4_decodes_the_same_through_the_kernel(tiny_dir, monkeypatch):
     model = load_v4(tiny_dir, log=lambda m: None)
-    ids = torch.randint(2, model.args.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))
-    calls, index_calls = [], []
+    ids = torch.randint(2, model.args.vocab_size, (1, 35), generator=torch.Generator().manual_seed(4))
+    calls, index_calls, compress_calls = [], [], []
     real, real_index = v4attn.v4_decode_attention, v4attn.index_scores
+    real_compress = v4attn.v4_compressor.compress_entry
     monkeypatch.setattr(v4attn, "v4_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(v4attn, "index_scores", lambda *a, **k: index_calls.append(1) or real_index(*a, **k))
+    monkeypatch.setattr(v4attn.v4_compressor, "compress_entry",
+                        lambda *a, **k: compress_calls.append(a[4]) or real_compress(*a, **k))
 
     def decode(kernels):
         monkeypatch.setenv("DSV3LITE_KERNELS", kernels)
         cache = new_cache(model.args, 40, with_mtp=False)
         with torch.inference_mode():
             steps = [model.logits(model.hidden(ids[:, :24], 0, cache))[:, -1]]
-            steps += [model.logits(model.hidden(ids[:, p:p + 1], p, cache))[:, -1] for p in range(24, 27)]
-            steps.append(model.logits(model.hidden(ids[:, 27:30], 27, cache))[:, -1])   # a verify-sized step
+            steps += [model.logits(model.hidden(ids[:, p:p + 1], p, cache))[:, -1] for p in range(24, 32)]
+            steps.append(model.logits(model.hidden(ids[:, 32:35], 32, cache))[:, -1])   # a verify-sized step
         return torch.stack(steps)
 
     want = decode("ref")
-    assert not calls and not index_calls
+    assert not calls and not index_calls and not compress_calls
     got = decode("triton")
-    assert len(calls) == 4 * model.args.num_hidden_layers and index_calls            # CSA layers select here
+    assert len(calls) == 9 * model.args.num_hidden_layers and index_calls            # CSA layers select here
+    assert set(compress_calls) == {4, model.args.compress_rate_hca}           # windows close at 27, 31 and 34
     torch.testing.assert_close(got, want, rtol=0, atol=2e-4)
+
+
+# --- the compressors at decode -------------------------------------------------------------------------------
+
+def compressor_case(width, rope, overlap, ratio, window, ring_rows, dtype, seed=0):
+    """Random fp32 rings holding the window's tokens (and others), a norm weight, the rotary tables of the window's
+    first position rounded to dtype, and an entries tensor of NaN rows."""
+    gen = torch.Generator().manual_seed(seed)
+    channels = width * (2 if overlap else 1)
+    cv = torch.randn(2, ring_rows, channels, generator=gen).to(DEVICE)
+    g = (torch.randn(2, ring_rows, channels, generator=gen) * 3).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to(DEVICE)
+    angles = window * ratio * torch.rand(rope // 2, generator=gen)
+    cos, sin = angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
+    entries = torch.full((2, window + 3, width), float("nan"), device=DEVICE, dtype=dtype)
+    return cv, g, entries, weight, cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("width,rope,overlap,ratio,window", [
+    (24, 8, True, 4, 0),           # window 0 with overlap: series A reaches before position 0
+    (24, 8, True, 4, 9),           # ring wrapped
+    (40, 8, False, 16, 3),
+    (512, 64, True, 4, 70),        # V4-Flash: CSA's compressor
+    (128, 64, True, 4, 33),        # V4-Flash: the indexer's keys
+    (512, 64, False, 128, 5),      # V4-Flash: HCA
+])
+def test_compress_entry_matches_twin(width, rope, overlap, ratio, window, dtype):
+    ring_rows = ratio * (2 if overlap else 1) + 3
+    cv, g, entries, weight, cos, sin = compressor_case(width, rope, overlap, ratio, window, ring_rows, dtype, window)
+    compress_entry(cv, g, entries, window, ratio, overlap, weight, 1e-6, cos, sin)
+    want = compress_entry_ref(cv, g, window, ratio, overlap, weight, 1e-6, cos, sin, dtype)
+    assert_close(f"compressor {width} ratio {ratio} window {window}", entries[:, window], want, TOLERANCES[dtype])
+    others = torch.cat((entries[:, :window], entries[:, window + 1:]), dim=1)
+    assert torch.isnan(others).all()                                          # only the entry's row is written
+
+
+def test_compressor_twin_is_the_eager_pool_on_decode_states(tiny_dir):
+    """After each decode step of a tiny V4 (eager: the PyTorch path), the entry every compressor emitted equals the
+    twin's from the same rings, bit for bit (CSA's compressor and indexer, overlapping; HCA's)."""
+    model = load_v4(tiny_dir, log=lambda m: None)
+    ids = torch.randint(2, model.args.vocab_size, (1, 48), generator=torch.Generator().manual_seed(2))
+    cache = new_cache(model.args, 64, with_mtp=False)
+    checked = set()
+    with torch.inference_mode():
+        model.hidden(ids[:, :13], 0, cache)
+        for p in range(13, 48):
+            model.hidden(ids[:, p:p + 1], p, cache)
+            for block, layer_cache in zip(model.layers, cache):
+                attn = block.attn
+                modules = {"compressor": attn.compressor,
+                           "indexer": attn.indexer.compressor if attn.indexer is not None else None}
+                for name, state in layer_cache.compressors.items():
+                    comp = modules[name]
+                    if (p + 1) % comp.ratio:
+                        continue
+                    window = p // comp.ratio
+                    cos, sin = attn.compress_rotary.at(torch.tensor([window * comp.ratio]), state.entries.dtype)
+                    twin = compress_entry_ref(state.cv.kv, state.g.kv, window, comp.ratio, comp.overlap,
+                                              comp.norm.weight, comp.norm.eps, cos[0], sin[0], state.entries.dtype)
+                    assert torch.equal(state.entries[:, window], twin), (attn.kind, name, p)
+                    checked.add((attn.kind, name))
+    assert checked == {("csa", "compressor"), ("csa", "indexer"), ("hca", "compressor")}

@@ -17,7 +17,9 @@ from torch import nn
 
 from ..kernels import dispatch
 from ..kernels.mla_decode import MAX_QUERIES
+from ..kernels import v4_compressor
 from ..kernels.v4_attention import gather_rows, sink_attention, v4_decode_attention
+from ..kernels.v4_compressor import apply_rope, pool_windows, rms_norm  # noqa: F401  (apply_rope re-exported)
 from ..kernels.v4_indexer import index_scores, index_scores_ref
 from ..model import Linear, rope_inv_freq
 from .cache import CompressorState, SlidingCache
@@ -35,8 +37,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return (self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,18 +66,6 @@ class Rotary:
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the last 2 * cos.shape[-1] dims of x [..., W] as interleaved pairs (x[2i], x[2i+1]) by the tables
-    (broadcast against x's pairs), in fp32, the result rounded to x.dtype; the other dims pass. sin -> -sin undoes
-    the rotation."""
-    r = 2 * cos.shape[-1]
-    rope = x[..., x.shape[-1] - r:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    c, s = cos.float(), sin.float()
-    rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat((x[..., :x.shape[-1] - r], rotated), dim=-1)
-
-
 # --- compressors -------------------------------------------------------------------------------------------
 
 class Compressor(nn.Module):
@@ -103,10 +92,17 @@ class Compressor(nn.Module):
         """Write a [B, S, D]'s (Cv, G) into `state`, emit the entries of the windows they complete, and return every
         entry complete by the end of the chunk, [B, (start + S) // ratio, width]."""
         cv, g = self.project(a, start)
-        old_cv, old_g, first = state.pending(start)
-        state.remember(cv, g, start)
         end = start + a.shape[1]
         n = end // self.ratio - start // self.ratio
+        if v4_compressor.use_kernel(a.device, a.shape[1], n, state.entries.dtype, a.dtype):
+            state.remember(cv, g, start)             # the kernel reads the window from the rings
+            window = end // self.ratio - 1
+            cos, sin = rotary.at(torch.tensor([window * self.ratio], device=a.device), a.dtype)
+            v4_compressor.compress_entry(state.cv.kv, state.g.kv, state.entries, window, self.ratio, self.overlap,
+                                         self.norm.weight, self.norm.eps, cos[0], sin[0])
+            return state.view(end // self.ratio)
+        old_cv, old_g, first = state.pending(start)
+        state.remember(cv, g, start)
         if n:
             entries = self.pool(torch.cat((old_cv, cv), 1), torch.cat((old_g, g), 1), first, n, rotary, a.dtype)
             state.put(entries, start // self.ratio)
@@ -120,14 +116,7 @@ class Compressor(nn.Module):
         if first < 0:
             cv = F.pad(cv, (0, 0, -first, 0))
             g = F.pad(g, (0, 0, -first, 0), value=float("-inf"))
-        bsz = cv.shape[0]
-        cv = cv[:, :(n + o) * m].view(bsz, n + o, m, -1)
-        g = g[:, :(n + o) * m].view(bsz, n + o, m, -1)
-        if self.overlap:             # slots 0..m-1: window w-1's series A; slots m..2m-1: window w's series B
-            d = self.width
-            cv = torch.cat((cv[:, :-1, :, :d], cv[:, 1:, :, d:]), dim=2)
-            g = torch.cat((g[:, :-1, :, :d], g[:, 1:, :, d:]), dim=2)
-        pooled = (cv * g.softmax(dim=2)).sum(dim=2)                       # [B, n, width] fp32
+        pooled = pool_windows(cv, g, n, m, self.overlap, self.width)      # [B, n, width] fp32
         entries = self.norm(pooled.to(dtype))
         first_window = first // m + o
         positions = (torch.arange(n, device=cv.device) + first_window) * m
