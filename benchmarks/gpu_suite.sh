@@ -140,7 +140,8 @@ stage_kernel_tests() {
 }
 
 # ---- stage: graphs ----------------------------------------------------------------------------------------------
-# The decode step replayed from CUDA graphs against the eager step at V3's routing geometry (tiny widths).
+# The decode step replayed from CUDA graphs against the eager step at V3's and then V4-Flash's routing geometry
+# (tiny widths; the table is rewritten after each engine, so a stage cut at its limit keeps what it measured).
 stage_graphs() {
     "$PYTHON" "$ROOT/benchmarks/gpu_graphs.py" "$WORK" --tokens 32 --rounds 2 $(dry)
 }

@@ -11,13 +11,15 @@ once into a CUDA graph and replayed, with the rest between them run as usual:
              their provider reads nothing back (resident blobs: the fused MoE kernel; `graph_safe`), the residual
              sums and the final norm
   run as is  routed experts that the host schedules (offloading: the runtime reads the routing and moves
-             experts), attention that picks its path on the host (V3.2's sparse attention), and the observers
+             experts), attention that picks its path on the host (V3.2's sparse attention; DeepSeek-V4's, which
+             writes its window ring and compressors at the step's position and selects by the entries' count:
+             its feed-forward, mHC mixes included, is what captures), and the observers
              (offloading's predictor after attention, routing watchers), called after the segment that computed
              their inputs, in layer order, with what eager decode hands them (the layer event's router input and
              routing)
 
 A fully resident model with blob experts is one graph per step; an offloaded V3 is 59 (one per MoE layer, plus
-one). The eager path is the twin: a segment's first run is eager (which also warms up kernels), then it is
+one); a resident V4 one per block plus the embedding's. The eager path is the twin: a segment's first run is eager (which also warms up kernels), then it is
 captured and replayed, and on its next step (a new position) it runs both ways once more; any difference turns
 graphs off for the engine with one line (DSV3LITE_GRAPHS=0 turns them off from the start). Graphs of one step
 size share one memory pool. Off CUDA the same segments run with a stand-in capture (tests: `capture=`).
@@ -41,10 +43,9 @@ def enabled() -> bool:
 
 
 def supported(model) -> bool:
-    """Every model of the V3 family: its sub-steps either capture, or run between the captured segments."""
-    from ..model import Transformer
-
-    return isinstance(model, Transformer)
+    """Every model of the V3 family and DeepSeek-V4: their sub-steps either capture, or run between the captured
+    segments."""
+    return _family(model) is not None
 
 
 class _Op:
@@ -54,6 +55,64 @@ class _Op:
 
     def __init__(self, name: str, fn, capturable: bool = True, hook: bool = False):
         self.name, self.fn, self.capturable, self.hook = name, fn, capturable, hook
+
+
+class _V3Family:
+    """What the step of a V3-family model needs of its cache: the one latent tensor (batch 1), every position's RoPE
+    rows made before any capture."""
+
+    @staticmethod
+    def cache_setting(cache: ModelCache):
+        tensor = cache.tensor
+        if tensor is None or tensor.shape[1] != 1:
+            return None
+        return tensor.device, (tensor.data_ptr(), tuple(tensor.shape))
+
+    @staticmethod
+    def prepare(model, cache: ModelCache, device: torch.device) -> None:
+        model.rotary.tables(cache.capacity, device)
+
+    @staticmethod
+    def held(model) -> tuple:
+        return model.rotary.cos, model.rotary.sin
+
+    @staticmethod
+    def ops(model, observers, device: torch.device) -> list[_Op]:
+        return _ops(model, observers, device)
+
+
+class _V4Family:
+    """DeepSeek-V4: a cache object per block (batch 1); the step's ops are _v4_ops."""
+
+    @staticmethod
+    def cache_setting(cache: ModelCache):
+        ring = cache[0].window.kv
+        if ring.shape[0] != 1:
+            return None
+        return ring.device, tuple(map(id, cache.layers))
+
+    @staticmethod
+    def prepare(model, cache: ModelCache, device: torch.device) -> None:
+        pass
+
+    @staticmethod
+    def held(model) -> tuple:
+        return ()
+
+    @staticmethod
+    def ops(model, observers, device: torch.device) -> list[_Op]:
+        return _v4_ops(model, observers, device)
+
+
+def _family(model):
+    from ..model import Transformer
+    from ..v4.model import Transformer as V4Transformer
+
+    if isinstance(model, Transformer):
+        return _V3Family
+    if isinstance(model, V4Transformer):
+        return _V4Family
+    return None
 
 
 def _ops(model, observers, device: torch.device) -> list[_Op]:
@@ -88,6 +147,60 @@ def _ops(model, observers, device: torch.device) -> list[_Op]:
         env["out"] = model.norm(env["h"])
     ops.append(_Op("final norm", final))
     return ops
+
+
+def _v4_ops(model, observers, device: torch.device) -> list[_Op]:
+    """A DeepSeek-V4 step as its blocks' sub-steps, in eager decode's order (v4/model.py Block.forward). Attention
+    runs between the segments: it writes the window ring and the compressors' state at the step's position (a
+    Python int) and picks its path by the number of entries. Each block's feed-forward captures: the mHC pre and
+    ffn_norm, the router (hash layers read the static tokens), the shared expert, the routed experts where their
+    provider reads nothing back, the mHC post; the observers run after the segment, as for the V3 family."""
+
+    def embed(env):
+        env["h"] = model.prologue(env["tokens"])
+
+    ops = [_Op("embed", embed)]
+    for i, block in enumerate(model.layers):
+        ops.append(_Op(f"layer {i} attention", _v4_attention(block, i), capturable=False))
+        ops.append(_Op(f"layer {i} router and shared experts", _v4_moe_pre(block, i)))
+        if observers.attention or observers.layer:
+            ops.append(_Op(f"layer {i} attention observers", _watch(block, i, observers), capturable=False,
+                           hook=True))
+        if observers.routing:
+            ops.append(_Op(f"layer {i} routing observers", _route_watch(block, i, observers), capturable=False,
+                           hook=True))
+        safe = getattr(block.ffn.experts, "graph_safe", None)
+        ops.append(_Op(f"layer {i} routed experts", _routed(block, i), capturable=bool(safe and safe(device))))
+        ops.append(_Op(f"layer {i} mHC post", _v4_residual(block, i)))
+
+    def final(env):
+        env["out"] = env["h"]                  # the streams (the engine's logits apply hc_head, the norm, the head)
+    ops.append(_Op("streams", final))
+    return ops
+
+
+def _v4_attention(block, i):
+    def fn(env):
+        env["h"] = env[("h", i)] = block.attention(env["h"], env["start"], env["cache"][i])
+    return fn
+
+
+def _v4_moe_pre(block, i):
+    """The feed-forward up to the routed experts: its input and mHC mix (ffn_input), the route (the token ids for a
+    hash layer), the shared expert."""
+    def fn(env):
+        x, (env[("post", i)], env[("comb", i)]) = block.ffn_input(env[("h", i)])
+        env[("x", i)] = x
+        env[("weights", i)], env[("ids", i)], env[("scores", i)] = block.ffn.route(x, env["tokens"])
+        env[("shared", i)] = block.ffn.shared(x)
+    return fn
+
+
+def _v4_residual(block, i):
+    def fn(env):
+        out = block.ffn.combine(env[("routed", i)], env[("shared", i)])
+        env["h"] = block.ffn_output(env[("h", i)], out, (env[("post", i)], env[("comb", i)]))
+    return fn
 
 
 def _device_positions(env) -> Positions:
@@ -262,9 +375,10 @@ class _StepPlan:
     def __init__(self, model, runner: "DecodeGraphs", seqlen: int, cache: ModelCache, device: torch.device):
         self.seqlen, self.cache = seqlen, cache
         observers = model.observers
+        family = _family(model)
         # what the plan's key names by id, held alive
         self.held = (list(observers.attention), list(observers.layer), list(observers.routing),
-                     [b.ffn.experts for b in model.layers if b.is_moe], (model.rotary.cos, model.rotary.sin))
+                     [b.ffn.experts for b in model.layers if b.is_moe], family.held(model))
         self.packed = torch.zeros(2 * seqlen + 1, dtype=torch.int64, device=device)
         self.static = {"tokens": self.packed[:seqlen].view(1, seqlen), "positions": self.packed[seqlen:2 * seqlen],
                        "seqlen64": self.packed[2 * seqlen:], "cache": cache}
@@ -272,7 +386,7 @@ class _StepPlan:
         self.items: list = []                       # _Segment, or an eager _Op between segments
         current: list[_Op] = []
         hooks: list[_Op] = []
-        for op in _ops(model, observers, device):
+        for op in family.ops(model, observers, device):
             if op.capturable:
                 current.append(op)
             elif op.hook and current:
@@ -314,25 +428,28 @@ class DecodeGraphs:
     # --- the step ---------------------------------------------------------------------------------------
     @torch.inference_mode()
     def hidden(self, tokens: list[int], start: int, cache: ModelCache) -> torch.Tensor | None:
-        """The main layers over `tokens` at positions start.. -> final-normed hidden [1, S, D] (a new tensor), or
-        None (graphs are off, or do not apply to this step). cache: the model's caches (batch 1)."""
+        """The main layers over `tokens` at positions start.. -> what the model's hidden gives (V3 family: the
+        final-normed hidden [1, S, D]; V4: the streams [1, S, n, D]) as a new tensor, or None (graphs are off, or do
+        not apply to this step). cache: the model's caches (batch 1)."""
         seqlen = len(tokens)
-        tensor = cache.tensor
-        if self.off_reason is not None or not 1 <= seqlen <= ABSORB_MAX_TOKENS or tensor is None \
-                or tensor.shape[1] != 1 or start + seqlen > cache.capacity:
-            return None
         model = self.model
+        family = _family(model)
+        found = family.cache_setting(cache) if family is not None else None
+        if self.off_reason is not None or not 1 <= seqlen <= ABSORB_MAX_TOKENS or found is None \
+                or start + seqlen > cache.capacity:
+            return None
+        device, cache_key = found
         observers = model.observers
-        setting = (id(cache), tensor.data_ptr(), tuple(tensor.shape),
+        setting = (id(cache), cache_key,
                    *(tuple(map(id, getattr(observers, event))) for event in OBSERVER_EVENTS),
                    tuple(id(b.ffn.experts) for b in model.layers if b.is_moe))
         plan = self.plans.get((seqlen, setting))
         if plan is None:
             if any(k[1] != setting for k in self.plans):
                 self._reset()                  # a new cache, observers or experts: the old graphs serve no step
-            self._device = tensor.device
-            model.rotary.tables(cache.capacity, tensor.device)        # every position's rows, before any capture
-            plan = self.plans[seqlen, setting] = _StepPlan(model, self, seqlen, cache, tensor.device)
+            self._device = device
+            family.prepare(model, cache, device)           # what every position needs, made before any capture
+            plan = self.plans[seqlen, setting] = _StepPlan(model, self, seqlen, cache, device)
         plan.packed.copy_(torch.tensor(tokens + list(range(start, start + seqlen)) + [start + seqlen]))
         env = dict(plan.static)
         env["start"] = start                   # read only by the ops that run between segments

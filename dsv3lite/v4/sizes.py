@@ -1,14 +1,14 @@
 """DeepSeek-V4's sizes from a V4Args alone (no weights read), for `info` and the --gpu-mem planner: parameter counts
 per component, counted on blocks built on the meta device (one per attention kind and router kind, so the counts
 follow the network itself), the resident bytes (each tensor in the dtype the loader keeps it in), the KV cache of
-every block's cache object, and the workspace of a prefill chunk."""
+every block's cache object, and the workspace of a prefill chunk and of the decode graphs."""
 from __future__ import annotations
 
 import torch
 
 from ..dense import packable
 from ..footprint import MTP_OFF, SLACK_BYTES, Footprint
-from ..limits import MAX_DRAFT_TOKENS, PREFILL_CHUNK
+from ..limits import ABSORB_MAX_TOKENS, MAX_DRAFT_TOKENS, PREFILL_CHUNK
 from .attention import SCORE_ELEMENTS, Rotary
 from .cache import cache_class
 from .config import V4Args
@@ -148,7 +148,23 @@ def workspace_bytes(a: V4Args, ctx_size: int, dense_bytes: int) -> int:
     scores += min(SCORE_ELEMENTS, chunk * a.index_n_heads * ctx_size // a.compress_rate_csa)
     experts = chunk * a.num_experts_per_tok * 3 * a.moe_intermediate_size * 4
     logits = (MAX_DRAFT_TOKENS + 1) * a.vocab_size * 4 * 2
-    return streams + heads + 3 * 4 * scores + experts + logits + SLACK_BYTES
+    return streams + heads + 3 * 4 * scores + experts + logits + decode_graph_bytes(a, dense_bytes) + SLACK_BYTES
+
+
+def decode_graph_bytes(a: V4Args, dense_bytes: int) -> int:
+    """The CUDA graphs' memory pools (dsv3lite/executors/graphs.py), which stay allocated: one per decode step size
+    in use (every size up to ABSORB_MAX_TOKENS), each holding every block's feed-forward outputs (the router input,
+    shared and routed outputs, the new streams and the copied attention output; the fp32 mHC mix, routing weights,
+    ids and scores) and one block's temporaries (the fp32 mixes of the streams, the shared expert's
+    intermediates)."""
+    n, d = a.hc_mult, a.hidden_size
+    total = 0
+    for tokens in range(1, ABSORB_MAX_TOKENS + 1):
+        per_block = (2 * n + 4) * d * dense_bytes + (n + n * n + a.num_experts_per_tok + a.n_routed_experts) * 4 + \
+            a.num_experts_per_tok * 8
+        temporaries = 4 * n * d * 4 + 3 * a.moe_intermediate_size * dense_bytes
+        total += tokens * (a.num_hidden_layers * per_block + temporaries)
+    return total
 
 
 # --- what `dsv3lite info` says of a V4 network -------------------------------------------------------------

@@ -1,0 +1,160 @@
+"""DeepSeek-V4's decode step as CUDA-graph segments (dsv3lite/executors/graphs.py), run here with the stand-in capture:
+each block's feed-forward (mHC mixes, router, shared and resident routed experts) captures and its attention runs
+between the segments; the steps give the eager decode's streams and cache, the engine's tokens (plain, MTP
+verification, offloaded), observers see what they see in eager decode, and the captured work reads nothing back to
+the host (the Triton kernels in the interpreter)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv3lite
+from dsv3lite.executors import graphs
+from dsv3lite.executors.graphs import DecodeGraphs, eager_capture
+from dsv3lite.testing import HostReads, offload_budget
+from dsv3lite.testing_v4 import write_v4_pair
+
+EAGER_STEP = True                 # the reference step is the eager model path (conftest.py), not the C++ step
+pytestmark = pytest.mark.usefixtures("one_thread")
+CTX = 96
+PROMPT = [5, 9, 17, 33, 2, 41, 8, 77, 120, 3, 64]
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v4graphs")
+    return write_v4_pair(root / "official", root / "hf", "tiny")[0]
+
+
+def load(path, **kw):
+    llm = dsv3lite.load(path, device="cpu", ctx_size=CTX, progress=False, log=lambda m: None, **kw)
+    llm.stop_ids = set()
+    return llm
+
+
+def greedy(llm, n=16):
+    llm.reset()
+    return [c.token_id for c in llm.generate(PROMPT, max_tokens=n)]
+
+
+def with_graphs(llm, capture=eager_capture):
+    logs: list[str] = []
+    llm.graphs = DecodeGraphs(llm.model, log=logs.append, capture=capture)
+    return logs
+
+
+def test_graph_steps_give_the_eager_streams_and_cache(official):
+    """Decode steps through the segments past a compressed window of each kind give eager decode's streams, and
+    leave every cache object (ring, compressors' state and entries, indexer keys) as eager decode does."""
+    llm = load(official, mtp=False)
+    model = llm.model
+    assert graphs.supported(model)
+    tokens = PROMPT + [7 * i + 3 for i in range(22)]
+    runs = {}
+    for way in ("eager", "graphs"):
+        runner = DecodeGraphs(model, capture=eager_capture)
+        cache = model.new_cache(CTX, torch.float32, torch.device("cpu"))
+        with torch.inference_mode():
+            model.hidden(torch.tensor([tokens[:len(PROMPT)]]), 0, cache)
+            out = []
+            for p in range(len(PROMPT), len(tokens)):
+                if way == "eager":
+                    out.append(model.hidden(torch.tensor([[tokens[p]]]), p, cache))
+                else:
+                    out.append(runner.hidden([tokens[p]], p, cache))
+        runs[way] = (out, [t.clone() for t in cache.tensors()], runner)
+    (eager, eager_cache, _), (replayed, cache, runner) = runs["eager"], runs["graphs"]
+    assert replayed[0].shape == eager[0].shape == (1, 1, model.args.hc_mult, model.args.hidden_size)
+    for a, b in zip(eager, replayed):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for a, b in zip(eager_cache, cache):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # the embedding, then one segment a block: its feed-forward with the resident blob experts inside it
+    assert runner.stats() == {"graphs_per_step": {1: 1 + model.args.num_hidden_layers}, "off": None}
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_engine_tokens_with_graphs_equal_eager_ones(official, mtp):
+    llm = load(official, mtp=mtp, mtp_adaptive=False)
+    expected = greedy(llm)
+    logs = with_graphs(llm)
+    assert greedy(llm) == expected and not logs
+    sizes = llm.graphs.stats()["graphs_per_step"]
+    assert set(sizes) == ({2} if mtp else {1})                 # MTP verification: every step is 2 tokens
+    assert llm.stats()["cuda_graphs"]["off"] is None
+
+
+def test_offloaded_graph_steps_equal_resident_ones(official):
+    """Host-scheduled experts run between the segments, after the offloading predictor (a layer observer) has seen
+    the layer's routing from the segment before."""
+    expected = greedy(load(official, mtp=False))
+    budget = offload_budget(official, 12, None, ctx=CTX, mtp=False)
+    off = load(official, mtp=False, gpu_mem=budget, miss_policy="fetch")
+    logs = with_graphs(off)
+    assert greedy(off) == expected and not logs
+    n = off.model.args.num_hidden_layers
+    assert off.graphs.stats()["graphs_per_step"] == {1: 1 + 2 * n}  # each block: before and after its experts
+    s = off.stats()["expert_cache"]
+    assert s["predictor_by_layer_kind"]["hash"]["recall"] == 1.0
+
+
+def test_observers_see_what_they_see_in_eager_decode(official):
+    llm = load(official, mtp=False)
+    seen: dict[str, list] = {"eager": [], "graphs": []}
+    where = ["eager"]
+
+    def on_layer(block, h, routed):
+        seen[where[0]].append(("layer", block.layer_id, h.clone(), routed[1][1].sort(dim=-1).values.clone()))
+
+    def on_routing(layer_id, ids, scores):
+        seen[where[0]].append(("routing", layer_id, ids.sort(dim=-1).values.clone()))
+
+    handle = llm.model.add_observer(on_layer=on_layer, on_routing=on_routing)
+    try:
+        greedy(llm, n=6)
+        where[0] = "graphs"
+        with_graphs(llm)
+        greedy(llm, n=6)
+    finally:
+        handle.remove()
+    def one_token(e):                   # a decode step's (the prompt runs eagerly either way)
+        return (e[2].shape[1] if e[0] == "layer" else e[2].shape[0]) == 1
+
+    decode = [[e for e in seen[w] if one_token(e)] for w in ("eager", "graphs")]
+    assert len(decode[0]) == len(decode[1]) > 0
+    for a, b in zip(*decode):
+        assert a[:2] == b[:2]
+        for x, y in zip(a[2:], b[2:]):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+
+
+def test_captured_work_reads_nothing_back_to_the_host(official, monkeypatch):
+    """Every segment's ops under an operator probe on the kernel path (the Triton kernels in the interpreter),
+    resident and offloaded: the feed-forwards, hash layers included, read nothing back."""
+    monkeypatch.setenv("DSV3LITE_KERNELS", "triton")
+    probe = HostReads()
+    budget = offload_budget(official, 12, None, ctx=CTX, mtp=False)
+    for extra in (dict(mtp=False), dict(mtp=False, gpu_mem=budget, miss_policy="fetch")):
+        llm = load(official, **extra)
+        logs = with_graphs(llm, probe.capture)
+        greedy(llm, n=4)
+        assert not logs and llm.graphs.plans
+    assert probe.found == []
+
+
+def test_the_workspace_estimate_covers_what_the_graphs_hold(official):
+    """What a step's graphs keep between steps (their static inputs and outputs; measured here, where the stand-in
+    keeps them as plain tensors) fits the planner's allowance for them (v4/sizes.py), for each step size."""
+    from dsv3lite.v4.sizes import decode_graph_bytes
+
+    llm = load(official, mtp=False)
+    model = llm.model
+    runner = DecodeGraphs(model, capture=eager_capture)
+    cache = model.new_cache(CTX, torch.float32, torch.device("cpu"))
+    owned = {t.data_ptr() for t in cache.tensors()}
+    with torch.inference_mode():
+        for n in (1, 4):
+            runner.hidden(list(range(3, 3 + n)), 0, cache)
+    held = {t.data_ptr(): t.numel() * t.element_size() for t in runner._keep
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in owned}
+    assert 0 < sum(held.values()) <= decode_graph_bytes(model.args, 4)
