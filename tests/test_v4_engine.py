@@ -229,17 +229,20 @@ def test_dense_packs_v4_and_plan_and_info_count_it(official, monkeypatch, capsys
 
 
 def test_eager_executor_and_the_predictor_through_mhc(official):
-    """V4 runs on its compiled CPU step on the CPU and on the eager executor on a GPU (the graphs are the V3
-    family's); the predictor's distance 0 is the layer event's routing, and a later block's prediction is its own router input
+    """V4 runs on its compiled CPU step on the CPU and on a GPU on the decode graphs over the eager executor; the
+    predictor's distance 0 is the layer event's routing, and a later block's prediction is its own router input
     of the current streams through its gate (bias, no groups); hash layers are not predicted from the streams."""
     from dsv3lite.executors import choose
     from dsv3lite.executors.cpu_v4 import V4CpuStep
     from dsv3lite.executors.eager import Eager
+    from dsv3lite.executors.graphs import GraphStep
     from dsv3lite.offload.predictor import RoutePredictor
 
     model = load_v4(official, released_experts=True)
     assert type(choose(model, torch.device("cpu"))) is V4CpuStep
-    assert type(choose(model, torch.device("cuda"))) is Eager
+    on_gpu = choose(model, torch.device("cuda"))
+    assert type(on_gpu) is GraphStep and type(on_gpu.fallback) is Eager
+    assert type(choose(model, torch.device("cuda"), cuda_graphs=False)) is Eager
     pred = RoutePredictor(model, lookahead=2)
     seen = {}
     handle = model.add_observer(on_layer=lambda block, h, routed: seen.setdefault(

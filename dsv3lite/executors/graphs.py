@@ -19,10 +19,10 @@ once into a CUDA graph and replayed, with the rest between them run as usual:
              routing)
 
 A fully resident model with blob experts is one graph per step; an offloaded V3 is 59 (one per MoE layer, plus
-one); a resident V4 one per block plus the embedding's. The eager path is the twin: a segment's first run is eager (which also warms up kernels), then it is
-captured and replayed, and on its next step (a new position) it runs both ways once more; any difference turns
-graphs off for the engine with one line (DSV3LITE_GRAPHS=0 turns them off from the start). Graphs of one step
-size share one memory pool. Off CUDA the same segments run with a stand-in capture (tests: `capture=`).
+one); a resident V4 one per block plus the embedding's. The eager path is the twin: a segment's first run is eager
+(which also warms up kernels), then it is captured and replayed, and on its next step (a new position) it runs both
+ways once more; any difference turns graphs off for the engine with one line (DSV3LITE_GRAPHS=0 turns them off from
+the start). Graphs of one step size share one memory pool. Off CUDA the same segments run with a stand-in capture (tests: `capture=`).
 """
 from __future__ import annotations
 
