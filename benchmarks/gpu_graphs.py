@@ -5,8 +5,8 @@ dense, 256 experts, top-8 in 4 of 8 groups; `dsv3lite.testing.write_geometry_che
 V4-Flash (43 layers, 256 MXFP4 experts as released, top-6, 3 hash layers, its compress ratios;
 `dsv3lite.testing_v4.v4_geometry_config`). Each engine decodes the same greedy tokens with its decode graphs
 (dsv3lite/executors/graphs.py) and with them set aside (the eager step), in alternating rounds, resident (the fused
-kernel inside the graphs: V3 one graph a step, V4 one a block, its attention between them) and offloaded at 25% of
-the experts (one graph per MoE layer, the runtime between them). Reports tok/s, host ms per token and per layer,
+kernel inside the graphs: one graph a step) and offloaded at 25% of the experts (one graph per MoE layer, the
+runtime between them). Reports tok/s, host ms per token and per layer,
 the graphs per step, whether the tokens match, and why graphs turned off if they did.
 
     python benchmarks/gpu_graphs.py RESULTS_DIR [--tokens 64] [--rounds 3] [--models v3,v4]

@@ -180,9 +180,16 @@ def _mla_case(dtype, heads, context, sq=1, index_topk=0):
     return run
 
 
-def _v4_attention_case(dtype, heads, entries, topk, sq=1):
+def _start(value: int, on_device: bool, device):
+    """A launch's first position: the int, or (a captured step's launch) one int64 on the device."""
+    import torch
+
+    return torch.full((1,), value, dtype=torch.int64, device=device) if on_device else value
+
+
+def _v4_attention_case(dtype, heads, entries, topk, sq=1, device_start=False):
     """V4 decode attention at V4's widths: the 131-row window ring, `entries` compressed rows (CSA: `topk` picked
-    per query; HCA: topk 0, all visible; none: a sliding layer)."""
+    per query; HCA: topk 0, all visible; none: a sliding layer); device_start: the captured step's launch."""
     def run(device="cpu"):
         import torch
 
@@ -194,11 +201,12 @@ def _v4_attention_case(dtype, heads, entries, topk, sq=1):
         ent = torch.empty(1, entries, dim, dtype=dt, device=device) if entries else None
         idx = torch.zeros(1, sq, topk, dtype=torch.int32, device=device) if topk else None
         sink = torch.zeros(heads, dtype=torch.float32, device=device)
-        v4_decode_attention(q, ring, 128 * entries, window, sink, dim ** -0.5, ent, idx, ratio=4 if topk else 128)
+        v4_decode_attention(q, ring, _start(128 * entries, device_start, device), window, sink, dim ** -0.5, ent, idx,
+                            ratio=4 if topk else 128)
     return run
 
 
-def _v4_indexer_case(dtype, keys, sq=1):
+def _v4_indexer_case(dtype, keys, sq=1, device_start=False):
     """The V4 indexer's scores at decode: 64 heads of 128 over `keys` index keys (a CSA layer at 4 x keys tokens)."""
     def run(device="cpu"):
         import torch
@@ -208,13 +216,15 @@ def _v4_indexer_case(dtype, keys, sq=1):
         dt = getattr(torch, dtype)
         q = torch.empty(1, sq, V4["index_heads"], V4["index_dim"], dtype=dt, device=device)
         weights = torch.empty(1, sq, V4["index_heads"], dtype=torch.float32, device=device)
-        index_scores(q, weights, torch.empty(1, keys, V4["index_dim"], dtype=dt, device=device), 4 * keys, 4)
+        index_scores(q, weights, torch.empty(1, keys, V4["index_dim"], dtype=dt, device=device),
+                     _start(4 * keys, device_start, device), 4)
     return run
 
 
-def _v4_compressor_case(dtype, width, ratio, overlap):
+def _v4_compressor_case(dtype, width, ratio, overlap, device_end=False):
     """A V4 compressor's entry at decode: `width` wide (512: the attention's; 128: the indexer's keys) from fp32 rings
-    of a window (two with overlap) plus the drafts' rows, written into the last of a 64K-token cache's entries."""
+    of a window (two with overlap) plus the drafts' rows, written into the last of a 64K-token cache's entries
+    (device_end: the captured step's launch, the window found from the step's end on the device)."""
     def run(device="cpu"):
         import torch
 
@@ -225,8 +235,10 @@ def _v4_compressor_case(dtype, width, ratio, overlap):
         ring = torch.empty(1, rows, channels, dtype=torch.float32, device=device)
         entries = torch.empty(1, (1 << 16) // ratio, width, dtype=getattr(torch, dtype), device=device)
         tables = torch.empty(V4["rope_dim"] // 2, dtype=getattr(torch, dtype), device=device)
-        compress_entry(ring, ring, entries, entries.shape[1] - 1, ratio, overlap,
-                       torch.empty(width, dtype=torch.float32, device=device), 1e-6, tables, tables)
+        last = entries.shape[1] - 1
+        compress_entry(ring, ring, entries, _start(last * ratio + 1, True, device) if device_end else last, ratio,
+                       overlap, torch.empty(width, dtype=torch.float32, device=device), 1e-6, tables, tables,
+                       queries=2 if device_end else 0)
     return run
 
 
@@ -301,6 +313,15 @@ def _cases() -> dict:
         cases[f"v4attn compressor {dt} Flash HCA"] = (_v4_compressor_case(dt, V4["head_dim"], 128, False), every)
     cases["v4attn compressor bfloat16 Flash indexer"] = (_v4_compressor_case("bfloat16", V4["index_dim"], 4, True),
                                                          every)
+    # the captured step's launches: positions read on the device, HCA over a 1M-token cache's whole capacity
+    for dt in ("bfloat16", "float32"):
+        cases[f"v4attn {dt} Flash HCA 1M captured"] = (_v4_attention_case(dt, V4["heads"], 8192, 0,
+                                                                          device_start=True), every)
+        cases[f"v4attn {dt} Flash CSA captured"] = (_v4_attention_case(dt, V4["heads"], 16384, V4["index_topk"],
+                                                                       device_start=True), every)
+        cases[f"v4attn indexer {dt} Flash 64K captured"] = (_v4_indexer_case(dt, 16384, device_start=True), every)
+        cases[f"v4attn compressor {dt} Flash CSA captured"] = (_v4_compressor_case(dt, V4["head_dim"], 4, True,
+                                                                                   device_end=True), every)
     for fmt in ("int4", "fp8"):
         for dt, m in DECODE_SHAPES:
             archs = every if fmt == "fp8" or m == 1 else FULL + (80,)

@@ -88,6 +88,7 @@ def v4_decode_attention_ref(q: torch.Tensor, window: torch.Tensor, start: int, w
                             ratio: int = 0) -> torch.Tensor:
     """The twin of `v4_decode_attention` (same arguments): the window's rows read from the ring, then
     `sink_attention`, as the eager attention computes it."""
+    start = int(start)                                         # (a device start, read back: the twin is no capture)
     _check_inputs(q, window, start, window_size, sink, entries, indices, ratio)
     sq = q.shape[1]
     positions = torch.arange(start, start + sq, device=q.device)
@@ -130,7 +131,7 @@ def _attend_tile(q, k, ok, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexp
 
 @_jit
 def _v4_decode_split_kernel(
-    q_ptr, win_ptr, ent_ptr, idx_ptr, sink_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, win_ptr, ent_ptr, idx_ptr, sink_ptr, part_out_ptr, part_lse_ptr, start_ptr,
     scale_log2, start, num_heads, head_dim, window, ring_rows, n_comp, window_span, total,
     stride_qb, stride_qs, stride_qh,   # q [B, Sq, H, D]
     stride_wb, stride_wt,              # window ring [B, R, D]
@@ -143,8 +144,11 @@ def _v4_decode_split_kernel(
     RATIO: tl.constexpr,               # the compression ratio (4 or 128: a shift)
     UPCAST: tl.constexpr,              # fp32 dot operands (interpreter: its bf16 dot is wrong)
     DOT_PRECISION: tl.constexpr,
+    START_ON_DEVICE: tl.constexpr,     # the first position read from start_ptr (a captured step), not `start`
 ):
     b = tl.program_id(0).to(tl.int64)
+    if START_ON_DEVICE:
+        start = tl.load(start_ptr).to(tl.int32)
     head_blocks = tl.cdiv(num_heads, BLOCK_H)
     query = tl.program_id(1) // head_blocks
     heads = (tl.program_id(1) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -182,6 +186,8 @@ def _v4_decode_split_kernel(
 
     ent_seq = ent_ptr + b * stride_eb
     visible = tl.minimum(n_comp, (pos + 1) // RATIO)           # (HCA: entries w < (p + 1) // ratio)
+    if not SPARSE:                                             # tiles past the visible entries add nothing
+        hi = tl.minimum(hi, window_span + visible)
     for n0 in range(tl.maximum(lo, window_span), hi, BLOCK_N):
         c = n0 - window_span + tl.arange(0, BLOCK_N)
         if SPARSE:
@@ -215,18 +221,24 @@ def split_config(head_dim: int, dtype: torch.dtype) -> dict:
                 num_warps=8 if wide else 4, num_stages=1 if wide and fp32 else 2)
 
 
-def v4_decode_attention(q: torch.Tensor, window: torch.Tensor, start: int, window_size: int, sink: torch.Tensor,
+def v4_decode_attention(q: torch.Tensor, window: torch.Tensor, start, window_size: int, sink: torch.Tensor,
                         scale: float, entries: torch.Tensor | None = None, indices: torch.Tensor | None = None,
                         ratio: int = 0, num_splits: int | None = None) -> torch.Tensor:
     """V4 decode attention (module docstring) with the split-KV Triton kernel.
 
-    q [B, Sq, H, D], 1 <= Sq <= 4, at positions start..start+Sq-1 (each head row contiguous); window [B, R, D]: the
+    q [B, Sq, H, D], 1 <= Sq <= 4, at positions start..start+Sq-1 (each head row contiguous); start: an int, or an
+    integer tensor of one element on q's device (a captured step: nothing of the position baked into the
+    launch; entries may then be the cache's whole capacity, the kernel stops at the visible ones); window [B, R, D]: the
     ring, position t at row t mod R, R >= window_size + Sq - 1 (rows contiguous); sink [H] (fp32 logits); scale:
     the logits' factor (head_dim^-0.5); entries [B, N, D] or None (a sliding layer); indices int32 [B, Sq, K] (CSA:
     each query's entries, -1 none) or None: every entry w < (p + 1) // ratio. num_splits: splits of each query's
     key list (None: from heads, keys and SM count, as mla_decode). -> [B, Sq, H, D] in q.dtype."""
     assert triton is not None, "v4_decode_attention needs Triton; use v4_decode_attention_ref"
-    _check_inputs(q, window, start, window_size, sink, entries, indices, ratio)
+    on_device = isinstance(start, torch.Tensor)
+    if on_device:
+        assert start.numel() == 1 and start.device == q.device and not start.is_floating_point(), (
+            f"a device start is one integer on {q.device}, got {start.dtype} {tuple(start.shape)} on {start.device}")
+    _check_inputs(q, window, 0 if on_device else start, window_size, sink, entries, indices, ratio)
     assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"unsupported dtype {q.dtype}"
     for name, t in (("window", window), ("entries", entries)):
         assert t is None or (t.dtype == q.dtype and t.stride(2) == 1), (
@@ -261,15 +273,16 @@ def v4_decode_attention(q: torch.Tensor, window: torch.Tensor, start: int, windo
     idx = indices if sparse else part_lse
     sink = sink if sink.dtype == torch.float32 else sink.float()
     _v4_decode_split_kernel[(batch, row_blocks, num_splits)](
-        q, window, ent, idx, sink.contiguous(), part_out, part_lse,
-        scale * _LOG2E, start, heads, dim, window_size, window.shape[1], n_comp, span, total,
+        q, window, ent, idx, sink.contiguous(), part_out, part_lse, start if on_device else part_lse,
+        scale * _LOG2E, 0 if on_device else start, heads, dim, window_size, window.shape[1], n_comp, span, total,
         q.stride(0), q.stride(1), q.stride(2),
         window.stride(0), window.stride(1),
         ent.stride(0), ent.stride(1),
         indices.stride(0) if sparse else 0, indices.stride(1) if sparse else 0,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        SPARSE=sparse, RATIO=1 if sparse or entries is None else ratio, UPCAST=upcast, DOT_PRECISION=precision, **cfg,
+        SPARSE=sparse, RATIO=1 if sparse or entries is None else ratio, UPCAST=upcast, DOT_PRECISION=precision,
+        START_ON_DEVICE=on_device, **cfg,
     )
     if num_splits > 1:
         lse = torch.empty(batch, rows, dtype=torch.float32, device=q.device)

@@ -92,15 +92,25 @@ def launch_config(width: int) -> dict:
 
 @_jit
 def _v4_compress_kernel(
-    cv_ptr, g_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
-    window, ratio, ring_rows, width, rope_pairs, eps,
+    cv_ptr, g_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, end_ptr,
+    window, ratio, ring_rows, width, rope_pairs, eps, queries,
     stride_rb, stride_rr,              # rings [B, R, channels] (channels contiguous)
-    stride_ob,                         # out [B, width] (the entry's row in the entries tensor)
+    stride_ob,                         # out [B, width] (END_ON_DEVICE: entry 0's row, else the entry's)
+    stride_on,                         # out's rows (END_ON_DEVICE)
     OVERLAP: tl.constexpr, BLOCK_P: tl.constexpr,
+    END_ON_DEVICE: tl.constexpr,       # a captured step: `queries` tokens ending at end_ptr's value; the entry of
+                                       # the window they complete, if any (else nothing is written)
 ):
     b = tl.program_id(0).to(tl.int64)
     pairs = tl.arange(0, BLOCK_P)
     ok = pairs < width // 2
+    store = ok
+    if END_ON_DEVICE:
+        end = tl.load(end_ptr).to(tl.int32)
+        completes = end // ratio > (end - queries) // ratio
+        store = pairs < tl.where(completes, width // 2, 0)                      # nothing when none completes
+        window = tl.maximum(end // ratio - 1, 0)
+        out_ptr += window.to(tl.int64) * stride_on
     even = 2 * pairs
     m_e = tl.full([BLOCK_P], float("-inf"), tl.float32)
     m_o = tl.full([BLOCK_P], float("-inf"), tl.float32)
@@ -139,15 +149,30 @@ def _v4_compress_kernel(
     rot = ok & (j >= 0)
     c = tl.load(cos_ptr + j, mask=rot, other=1.0)
     s = tl.load(sin_ptr + j, mask=rot, other=0.0)
-    tl.store(out_ptr + b * stride_ob + even, (n_e * c - n_o * s).to(dtype), mask=ok)
-    tl.store(out_ptr + b * stride_ob + even + 1, (n_o * c + n_e * s).to(dtype), mask=ok)
+    tl.store(out_ptr + b * stride_ob + even, (n_e * c - n_o * s).to(dtype), mask=store)
+    tl.store(out_ptr + b * stride_ob + even + 1, (n_o * c + n_e * s).to(dtype), mask=store)
 
 
-def compress_entry(cv_ring: torch.Tensor, g_ring: torch.Tensor, entries: torch.Tensor, window: int, ratio: int,
-                   overlap: bool, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def window_of(end: torch.Tensor, ratio: int) -> torch.Tensor:
+    """The window a step ending at `end` (exclusive; an integer tensor) may complete: the last whole one, clamped
+    at 0, shaped as `end` (what `compress_entry` with a device end pools, and where its rotary rows are taken)."""
+    return (end.long() // ratio - 1).clamp(min=0)
+
+
+def compress_entry(cv_ring: torch.Tensor, g_ring: torch.Tensor, entries: torch.Tensor, window, ratio: int,
+                   overlap: bool, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                   queries: int = 0) -> None:
     """`compress_entry_ref` with the Triton kernel, written into entries[:, window] ([B, N, width], the cache's
-    dtype, which the entry is rounded to); cos, sin [r/2] rounded to entries' dtype."""
+    dtype, which the entry is rounded to); cos, sin [r/2] rounded to entries' dtype.
+
+    window: an int, or (a captured step) an integer tensor of one element on the rings' device holding the end
+    (exclusive) of the step's `queries` tokens: the kernel then writes the entry of the window they complete,
+    window_of(end), and nothing when they complete none; cos, sin are then the rows of window_of(end) * ratio."""
     assert triton is not None, "compress_entry needs Triton; use compress_entry_ref"
+    on_device = isinstance(window, torch.Tensor)
+    if on_device:
+        assert window.numel() == 1 and window.device == cv_ring.device and not window.is_floating_point() and \
+            1 <= queries <= ratio, f"a device end is one integer on {cv_ring.device}, for 1..{ratio} queries"
     batch, rows, channels = cv_ring.shape
     width = norm_weight.shape[0]
     assert g_ring.shape == cv_ring.shape and cv_ring.dtype == g_ring.dtype == torch.float32, (
@@ -157,18 +182,19 @@ def compress_entry(cv_ring: torch.Tensor, g_ring: torch.Tensor, entries: torch.T
         f"{channels} channels for a {width}-wide entry (overlap {overlap})")
     assert rows >= (2 if overlap else 1) * ratio, f"a ring of {rows} rows cannot hold a window of {ratio} tokens"
     assert entries.dim() == 3 and entries.shape[0] == batch and entries.shape[2] == width and \
-        0 <= window < entries.shape[1], f"entry {window} of entries {tuple(entries.shape)} (batch {batch}, {width})"
+        (on_device or 0 <= window < entries.shape[1]), (
+            f"entry {window} of entries {tuple(entries.shape)} (batch {batch}, {width})")
     assert cv_ring.stride() == g_ring.stride() and cv_ring.stride(2) == 1 and entries.stride(2) == 1, \
         "rows must be contiguous"
     assert cos.shape == sin.shape and cos.dim() == 1 and 2 * cos.shape[0] <= width, (
         f"cos / sin of {tuple(cos.shape)} for a {width}-wide entry")
     _v4_compress_kernel[(batch,)](
         cv_ring, g_ring, norm_weight.float().contiguous(), cos.float().contiguous(), sin.float().contiguous(),
-        entries[:, window],
-        window, ratio, rows, width, cos.shape[0], eps,
+        entries if on_device else entries[:, window], window if on_device else entries,
+        0 if on_device else window, ratio, rows, width, cos.shape[0], eps, queries,
         cv_ring.stride(0), cv_ring.stride(1),
-        entries.stride(0),
-        OVERLAP=int(overlap), **launch_config(width),
+        entries.stride(0), entries.stride(1),
+        OVERLAP=int(overlap), END_ON_DEVICE=on_device, **launch_config(width),
     )
 
 

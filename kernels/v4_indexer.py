@@ -37,7 +37,7 @@ def index_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
 
 @_jit
 def _v4_index_kernel(
-    q_ptr, w_ptr, k_ptr, out_ptr,
+    q_ptr, w_ptr, k_ptr, out_ptr, start_ptr,
     scale, start, num_heads, dim, n_keys,
     stride_qb, stride_qs, stride_qh,   # q [B, S, H, d]
     stride_wb, stride_ws,              # weights [B, S, H]
@@ -45,8 +45,11 @@ def _v4_index_kernel(
     stride_ob, stride_os,              # out [B, S, N]
     RATIO: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    START_ON_DEVICE: tl.constexpr,     # the first position read from start_ptr (a captured step), not `start`
 ):
     b = tl.program_id(0).to(tl.int64)
+    if START_ON_DEVICE:
+        start = tl.load(start_ptr).to(tl.int32)
     query = tl.program_id(1)
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -62,7 +65,7 @@ def _v4_index_kernel(
         offs_n = (tl.program_id(2) * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_keys
         k = tl.load(k_ptr + b * stride_kb + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=(n_ok & (offs_n < visible))[:, None] & d_ok[None, :], other=0.0)   # none past the visible
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)                  # [BLOCK_H, BLOCK_N]
@@ -71,11 +74,15 @@ def _v4_index_kernel(
         tl.store(out_ptr + b * stride_ob + query * stride_os + offs_n, index, mask=n_ok)
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: int, ratio: int) -> torch.Tensor:
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start, ratio: int) -> torch.Tensor:
     """`index_scores_ref` with the Triton kernel, for 1..4 queries at positions start..: q [B, S, H, d] (the model's
     dtype: its products are exact in fp32), weights [B, S, H] fp32, keys [B, N, d] in q's dtype (rows
-    contiguous) -> [B, S, N] fp32."""
+    contiguous) -> [B, S, N] fp32. start: an int, or an integer tensor of one element on q's device (a captured
+    step; keys may then be the cache's whole capacity: none past the visible ones is read)."""
     assert triton is not None, "index_scores needs Triton; use index_scores_ref"
+    on_device = isinstance(start, torch.Tensor)
+    assert not on_device or (start.numel() == 1 and start.device == q.device and not start.is_floating_point()), \
+        "a device start is one integer on q's device"
     batch, sq, heads, dim = q.shape
     assert 1 <= sq <= MAX_QUERIES, f"Sq must be in 1..{MAX_QUERIES}, got {sq}"
     assert keys.dim() == 3 and keys.shape[0] == batch and keys.shape[2] == dim and keys.dtype == q.dtype, (
@@ -93,13 +100,13 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sta
     if batch * sq * triton.cdiv(n, cfg["BLOCK_N"] * cfg["TILES"]) < 2 * dispatch.sm_count(q.device):
         cfg["TILES"] = 1                         # short contexts: a tile a program, so that every SM has work
     _v4_index_kernel[(batch, sq, triton.cdiv(n, cfg["BLOCK_N"] * cfg["TILES"]))](
-        q, weights, keys, out,
-        dim ** -0.5, start, heads, dim, n,
+        q, weights, keys, out, start if on_device else out,
+        dim ** -0.5, 0 if on_device else start, heads, dim, n,
         q.stride(0), q.stride(1), q.stride(2),
         weights.stride(0), weights.stride(1),
         keys.stride(0), keys.stride(1),
         out.stride(0), out.stride(1),
         RATIO=ratio, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        UPCAST=upcast, DOT_PRECISION=precision, num_stages=2, **cfg,
+        UPCAST=upcast, DOT_PRECISION=precision, START_ON_DEVICE=on_device, num_stages=2, **cfg,
     )
     return out

@@ -142,10 +142,14 @@ def test_captured_work_reads_nothing_back_to_the_host(official, monkeypatch):
     assert probe.found == []
 
 
-def test_the_workspace_estimate_covers_what_the_graphs_hold(official):
+@pytest.mark.parametrize("kernels", ["ref", "triton"])
+def test_the_workspace_estimate_covers_what_the_graphs_hold(official, monkeypatch, kernels):
     """What a step's graphs keep between steps (their static inputs and outputs; measured here, where the stand-in
-    keeps them as plain tensors) fits the planner's allowance for them (v4/sizes.py), for each step size."""
+    keeps them as plain tensors) fits the planner's allowance for them (v4/sizes.py), for each step size, with the
+    attention between the segments and captured."""
     from dsv3lite.v4.sizes import decode_graph_bytes
+
+    monkeypatch.setenv("DSV3LITE_KERNELS", kernels)
 
     llm = load(official, mtp=False)
     model = llm.model
@@ -157,4 +161,53 @@ def test_the_workspace_estimate_covers_what_the_graphs_hold(official):
             runner.hidden(list(range(3, 3 + n)), 0, cache)
     held = {t.data_ptr(): t.numel() * t.element_size() for t in runner._keep
             if isinstance(t, torch.Tensor) and t.data_ptr() not in owned}
-    assert 0 < sum(held.values()) <= decode_graph_bytes(model.args, 4)
+    assert 0 < sum(held.values()) <= decode_graph_bytes(model.args, CTX, 4)
+
+
+@pytest.mark.parametrize("mode", ["resident", "offloaded", "mtp"])
+def test_attention_captures_on_the_triton_kernels(official, monkeypatch, mode):
+    """Where the kernels run (here the Triton interpreter) the whole resident step is one graph: every block's
+    attention is captured too, its ring, compressors and indexer reading the positions from the device. Tokens
+    equal the eager step's on the same kernels, plain, offloaded (one graph a block's experts apart) and with MTP
+    verification (2-token steps)."""
+    monkeypatch.setenv("DSV3LITE_KERNELS", "triton")
+    kw = dict(mtp=mode == "mtp", mtp_adaptive=False)
+    if mode == "offloaded":
+        kw.update(gpu_mem=offload_budget(official, 12, None, ctx=CTX, mtp=False), miss_policy="fetch")
+    llm = load(official, **kw)
+    steps = 5 if mode == "offloaded" else 14                # (the interpreter runs each offloaded expert apart)
+    expected = greedy(llm, n=steps)
+    logs = with_graphs(llm)
+    assert greedy(llm, n=steps) == expected and not logs
+    n = llm.model.args.num_hidden_layers
+    assert llm.graphs.stats()["graphs_per_step"] == {"resident": {1: 1}, "offloaded": {1: n + 1},
+                                                      "mtp": {2: 1}}[mode]
+
+
+def test_device_positions_give_the_host_positions_streams_and_entries(official, monkeypatch):
+    """Decode steps through the captured attention (device positions) past windows of every kind: the streams and
+    the compressed entries within float error of the host-position kernel path (the kernels attend over the
+    cache's whole capacity there, so their splits differ), the window rings and compressor states equal."""
+    monkeypatch.setenv("DSV3LITE_KERNELS", "triton")
+    llm = load(official, mtp=False)
+    model = llm.model
+    tokens = PROMPT + [7 * i + 3 for i in range(22)]
+    runs = {}
+    for way in ("host", "device"):
+        runner = DecodeGraphs(model, capture=eager_capture)
+        cache = model.new_cache(CTX, torch.float32, torch.device("cpu"))
+        with torch.inference_mode():
+            model.hidden(torch.tensor([tokens[:len(PROMPT)]]), 0, cache)
+            out = []
+            for p in range(len(PROMPT), len(tokens)):
+                if way == "host":
+                    out.append(model.hidden(torch.tensor([[tokens[p]]]), p, cache))
+                else:
+                    out.append(runner.hidden([tokens[p]], p, cache))
+        runs[way] = (out, [t.clone() for t in cache.tensors()], runner)
+    (host, host_cache, _), (device, device_cache, runner) = runs["host"], runs["device"]
+    assert runner.stats()["graphs_per_step"] == {1: 1}
+    for a, b in zip(host, device):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    for a, b in zip(host_cache, device_cache):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)

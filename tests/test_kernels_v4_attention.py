@@ -247,3 +247,57 @@ def test_compressor_twin_is_the_eager_pool_on_decode_states(tiny_dir):
                     assert torch.equal(state.entries[:, window], twin), (attn.kind, name, p)
                     checked.add((attn.kind, name))
     assert checked == {("csa", "compressor"), ("csa", "indexer"), ("hca", "compressor")}
+
+
+# --- device positions (a captured step) ------------------------------------------------------------------------
+
+def on_device(value: int) -> torch.Tensor:
+    return torch.tensor([value], device=DEVICE)
+
+
+@pytest.mark.parametrize("kind,start,sq", [("sliding", 45, 2), ("hca", 46, 3), ("csa", 61, 1)])
+def test_device_start_reads_only_what_the_host_start_reads(kind, start, sq):
+    """The kernel with the first position on the device, over entries padded to a larger capacity with NaN rows
+    (a cache's whole capacity), gives the host start's result over the entries there are: the padding is never
+    read."""
+    n_entries = {"sliding": 0, "hca": 4, "csa": 14}[kind]
+    q, kv, _, window, sink, scale, entries, idx = case(heads=5, dim=40, window=12, ring=15, start=start, sq=sq,
+                                                       n_entries=n_entries, topk=6 if kind == "csa" else 0,
+                                                       dtype=torch.float32, seed=start)
+    ratio = 16 if kind == "hca" else 4
+    want = v4_decode_attention(q, kv, start, window, sink, scale, entries, idx, ratio=ratio)
+    padded = entries
+    if entries is not None:
+        padded = torch.full((2, 3 * n_entries + 5, 40), float("nan"), device=DEVICE)
+        padded[:, :n_entries] = entries
+    got = v4_decode_attention(q, kv, on_device(start), window, sink, scale, padded, idx, ratio=ratio)
+    assert_close(f"{kind} device start", got, want, TOLERANCES[torch.float32])
+
+
+def test_index_scores_with_a_device_start_read_no_key_past_the_visible():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 9, 12, generator=gen).to(DEVICE)
+    weights = torch.randn(1, 2, 9, generator=gen).to(DEVICE)
+    keys = torch.randn(1, 300, 12, generator=gen).to(DEVICE)
+    start = 4 * 200 + 1                                                  # 200 keys visible, then 201
+    keys[:, 202:] = float("nan")
+    got = index_scores(q, weights, keys, on_device(start), 4)
+    want = index_scores(q, weights, keys[:, :202].clone(), start, 4)
+    assert torch.isfinite(got[:, :, :200]).all() and torch.isneginf(got[:, :, 202:]).all()
+    assert torch.equal(got[:, :, :202], want)
+
+
+@pytest.mark.parametrize("overlap,ratio", [(True, 4), (False, 16)])
+def test_compress_entry_with_a_device_end_writes_the_completed_window_only(overlap, ratio):
+    """A step of `queries` tokens ending at a device end: the entry of the window it completes (as the host call
+    for that window), and nothing at all for a step that completes none."""
+    ring_rows = ratio * (2 if overlap else 1) + 3
+    cv, g, entries, weight, cos, sin = compressor_case(24, 8, overlap, ratio, 9, ring_rows, torch.float32)
+    want = entries.clone()
+    compress_entry(cv, g, want, 6, ratio, overlap, weight, 1e-6, cos, sin)
+    got = entries.clone()
+    compress_entry(cv, g, got, on_device(7 * ratio + 1), ratio, overlap, weight, 1e-6, cos, sin, queries=2)
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))            # the step's tokens 7r-1, 7r: entry 6
+    untouched = entries.clone()
+    compress_entry(cv, g, untouched, on_device(7 * ratio + 3), ratio, overlap, weight, 1e-6, cos, sin, queries=2)
+    assert torch.isnan(untouched).all()                                      # tokens 7r+1, 7r+2: none completes

@@ -7,22 +7,23 @@ once into a CUDA graph and replayed, with the rest between them run as usual:
 
   captured   the blocks' own sub-steps (model.py) that read nothing back: the embedding and RoPE rows, each layer's
              norms, attention (the Triton decode kernel over the whole latent cache, the positions and length on
-             the device: cache.Positions.on_device), dense MLP, router and shared experts, the routed experts where
-             their provider reads nothing back (resident blobs: the fused MoE kernel; `graph_safe`), the residual
-             sums and the final norm
+             the device: cache.Positions.on_device; DeepSeek-V4's with its window ring, compressors and indexer
+             written and read at the device positions, v4/attention.py), V4's mHC mixes, dense MLP, router and
+             shared experts, the routed experts where their provider reads nothing back (resident blobs: the
+             fused MoE kernel; `graph_safe`), the residual sums and the final norm
   run as is  routed experts that the host schedules (offloading: the runtime reads the routing and moves
-             experts), attention that picks its path on the host (V3.2's sparse attention; DeepSeek-V4's, which
-             writes its window ring and compressors at the step's position and selects by the entries' count:
-             its feed-forward, mHC mixes included, is what captures), and the observers
+             experts), attention that picks its path on the host (V3.2's sparse attention; DeepSeek-V4's where
+             the Triton kernels do not run), the cache objects' lengths (V4: begin_write), and the observers
              (offloading's predictor after attention, routing watchers), called after the segment that computed
              their inputs, in layer order, with what eager decode hands them (the layer event's router input and
              routing)
 
-A fully resident model with blob experts is one graph per step; an offloaded V3 is 59 (one per MoE layer, plus
-one); a resident V4 one per block plus the embedding's. The eager path is the twin: a segment's first run is eager
-(which also warms up kernels), then it is captured and replayed, and on its next step (a new position) it runs both
-ways once more; any difference turns graphs off for the engine with one line (DSV3LITE_GRAPHS=0 turns them off from
-the start). Graphs of one step size share one memory pool. Off CUDA the same segments run with a stand-in capture (tests: `capture=`).
+A fully resident model with blob experts is one graph per step, a V4 too (off the kernels its attention runs
+between segments: one per block plus one); an offloaded V3 is 59 (one per MoE layer, plus one). The eager path is
+the twin: a segment's first run is eager (which also warms up kernels), then it is captured and replayed, and on
+its next step (a new position) it runs both ways once more; any difference turns graphs off for the engine with
+one line (DSV3LITE_GRAPHS=0 turns them off from the start). Graphs of one step size share one memory pool. Off
+CUDA the same segments run with a stand-in capture (tests: `capture=`).
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ class _V3Family:
         return model.rotary.cos, model.rotary.sin
 
     @staticmethod
-    def ops(model, observers, device: torch.device) -> list[_Op]:
+    def ops(model, observers, device: torch.device, cache: ModelCache) -> list[_Op]:
         return _ops(model, observers, device)
 
 
@@ -100,8 +101,8 @@ class _V4Family:
         return ()
 
     @staticmethod
-    def ops(model, observers, device: torch.device) -> list[_Op]:
-        return _v4_ops(model, observers, device)
+    def ops(model, observers, device: torch.device, cache: ModelCache) -> list[_Op]:
+        return _v4_ops(model, observers, device, cache)
 
 
 def _family(model):
@@ -149,19 +150,28 @@ def _ops(model, observers, device: torch.device) -> list[_Op]:
     return ops
 
 
-def _v4_ops(model, observers, device: torch.device) -> list[_Op]:
-    """A DeepSeek-V4 step as its blocks' sub-steps, in eager decode's order (v4/model.py Block.forward). Attention
-    runs between the segments: it writes the window ring and the compressors' state at the step's position (a
-    Python int) and picks its path by the number of entries. Each block's feed-forward captures: the mHC pre and
-    ffn_norm, the router (hash layers read the static tokens), the shared expert, the routed experts where their
-    provider reads nothing back, the mHC post; the observers run after the segment, as for the V3 family."""
+def _v4_ops(model, observers, device: torch.device, cache: ModelCache) -> list[_Op]:
+    """A DeepSeek-V4 step as its blocks' sub-steps, in eager decode's order (v4/model.py Block.forward). First, on
+    the host, every block's cache object takes the step's length (begin_write: a rollback, the capacity check).
+    Attention captures where the Triton kernels run (Attention.captures): the ring, the compressors' state and
+    entries written at the device positions, the kernels reading them there; elsewhere it runs between the
+    segments at the host's position. Each block's feed-forward captures: the mHC pre and ffn_norm, the router
+    (hash layers read the static tokens), the shared expert, the routed experts where their provider reads
+    nothing back, the mHC post; the observers run after the segment, as for the V3 family."""
+    n_main, dtype = len(model.layers), model.embed.weight.dtype
+
+    def lengths(env):
+        for layer_cache in env["cache"].layers[:n_main]:
+            layer_cache.begin_write(env["start"], env["tokens"].shape[1])
 
     def embed(env):
+        env["seqlens"] = env["seqlen64"].to(torch.int32)
         env["h"] = model.prologue(env["tokens"])
 
-    ops = [_Op("embed", embed)]
+    ops = [_Op("cache lengths", lengths, capturable=False), _Op("embed", embed)]
     for i, block in enumerate(model.layers):
-        ops.append(_Op(f"layer {i} attention", _v4_attention(block, i), capturable=False))
+        on_device = block.attn.captures(cache[i], dtype)
+        ops.append(_Op(f"layer {i} attention", _v4_attention(block, i, on_device), capturable=on_device))
         ops.append(_Op(f"layer {i} router and shared experts", _v4_moe_pre(block, i)))
         if observers.attention or observers.layer:
             ops.append(_Op(f"layer {i} attention observers", _watch(block, i, observers), capturable=False,
@@ -179,9 +189,10 @@ def _v4_ops(model, observers, device: torch.device) -> list[_Op]:
     return ops
 
 
-def _v4_attention(block, i):
+def _v4_attention(block, i, on_device: bool):
     def fn(env):
-        env["h"] = env[("h", i)] = block.attention(env["h"], env["start"], env["cache"][i])
+        pos = _device_positions(env) if on_device else env["start"]
+        env["h"] = env[("h", i)] = block.attention(env["h"], pos, env["cache"][i])
     return fn
 
 
@@ -386,7 +397,7 @@ class _StepPlan:
         self.items: list = []                       # _Segment, or an eager _Op between segments
         current: list[_Op] = []
         hooks: list[_Op] = []
-        for op in family.ops(model, observers, device):
+        for op in family.ops(model, observers, device, cache):
             if op.capturable:
                 current.append(op)
             elif op.hook and current:

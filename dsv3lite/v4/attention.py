@@ -22,6 +22,7 @@ from ..kernels.v4_attention import gather_rows, sink_attention, v4_decode_attent
 from ..kernels.v4_compressor import apply_rope, pool_windows, rms_norm  # noqa: F401  (apply_rope re-exported)
 from ..kernels.v4_indexer import index_scores, index_scores_ref
 from ..model import Linear, rope_inv_freq
+from ..cache import Positions
 from .cache import CompressorState, SlidingCache
 from .config import CSA, SLIDING, V4Args
 
@@ -59,10 +60,15 @@ class Rotary:
                                beta_fast=args.beta_fast, beta_slow=args.beta_slow)
         with torch.device("cpu"):                   # also when the network is built on the meta device
             self.inv_freq = rope_inv_freq(spec)     # YaRN frequencies, no attention factor (§3)
+        self._on: dict = {}                         # device -> inv_freq there (copied once: no copy per call,
+                                                    # none inside a captured step)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [..., r/2] for integer positions [...], rounded to `dtype` (as transformers)."""
-        angles = positions[..., None].float() * self.inv_freq.to(positions.device)
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on[positions.device] = self.inv_freq.to(positions.device)
+        angles = positions[..., None].float() * inv
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -83,15 +89,18 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, channels, dtype=torch.float32))
         self.norm = RMSNorm(width, eps)
 
-    def project(self, a: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """a [B, S, D] at positions start.. -> (Cv, G = Cz + ape[p mod ratio]) [B, S, channels] in fp32."""
-        slot = torch.arange(start, start + a.shape[1], device=a.device) % self.ratio
-        return self.wkv(a).float(), self.wgate(a).float() + self.ape.float()[slot]
+    def project(self, a: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """a [B, S, D] at positions [S] -> (Cv, G = Cz + ape[p mod ratio]) [B, S, channels] in fp32."""
+        return self.wkv(a).float(), self.wgate(a).float() + self.ape.float()[positions % self.ratio]
 
-    def update(self, a: torch.Tensor, start: int, state: CompressorState, rotary: Rotary) -> torch.Tensor:
+    def update(self, a: torch.Tensor, start, state: CompressorState, rotary: Rotary) -> torch.Tensor:
         """Write a [B, S, D]'s (Cv, G) into `state`, emit the entries of the windows they complete, and return every
-        entry complete by the end of the chunk, [B, (start + S) // ratio, width]."""
-        cv, g = self.project(a, start)
+        entry complete by the end of the chunk, [B, (start + S) // ratio, width]. start: an int, or device
+        Positions (a captured step: the kernel pools the entry the step completes, if any, and every entry of the
+        cache's capacity is returned; the attention reads only those its positions see)."""
+        if isinstance(start, Positions):
+            return self._update_on_device(a, start, state, rotary)
+        cv, g = self.project(a, torch.arange(start, start + a.shape[1], device=a.device))
         end = start + a.shape[1]
         n = end // self.ratio - start // self.ratio
         if v4_compressor.use_kernel(a.device, a.shape[1], n, state.entries.dtype, a.dtype):
@@ -107,6 +116,15 @@ class Compressor(nn.Module):
             entries = self.pool(torch.cat((old_cv, cv), 1), torch.cat((old_g, g), 1), first, n, rotary, a.dtype)
             state.put(entries, start // self.ratio)
         return state.view(end // self.ratio)
+
+    def _update_on_device(self, a: torch.Tensor, pos: Positions, state: CompressorState,
+                          rotary: Rotary) -> torch.Tensor:
+        cv, g = self.project(a, pos.index)
+        state.remember_at(cv, g, pos.index)
+        cos, sin = rotary.at(v4_compressor.window_of(pos.seqlens, self.ratio) * self.ratio, a.dtype)
+        v4_compressor.compress_entry(state.cv.kv, state.g.kv, state.entries, pos.seqlens, self.ratio, self.overlap,
+                                     self.norm.weight, self.norm.eps, cos[0], sin[0], queries=pos.length)
+        return state.entries
 
     def pool(self, cv: torch.Tensor, g: torch.Tensor, first: int, n: int, rotary: Rotary,
              dtype: torch.dtype) -> torch.Tensor:
@@ -137,10 +155,11 @@ class Indexer(nn.Module):
         self.compressor = Compressor(args.hidden_size, self.ratio, True, self.head_dim, args.rms_norm_eps)
 
     def select(self, a: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-               rotary: Rotary, start: int | None = None) -> torch.Tensor:
+               rotary: Rotary, start=None) -> torch.Tensor:
         """Entry ids [B, S, min(topk, N)] each query keeps among keys [B, N, head_dim]; -1 marks a pick the query
         cannot see (fewer visible entries than picks). a [B, S, D], qr: the query latent [B, S, q_lora_rank].
-        start (positions[0]): with it, a decode step's scores come from the Triton kernel where kernels run."""
+        start (positions[0], an int or a device tensor): with it, a decode step's scores come from the Triton kernel
+        where kernels run."""
         bsz, seqlen, _ = a.shape
         q = self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim)
         q = apply_rope(q, *(t[:, None] for t in rotary.at(positions, q.dtype)))
@@ -188,17 +207,20 @@ class Attention(nn.Module):
         self.rotary = main_rotary if self.kind == SLIDING else compress_rotary
         self.compress_rotary = compress_rotary
 
-    def forward(self, a: torch.Tensor, start: int, cache: SlidingCache | None = None) -> torch.Tensor:
+    def forward(self, a: torch.Tensor, start, cache: SlidingCache | None = None) -> torch.Tensor:
         """a [B, S, D] (the normed collapsed residual) at positions start..start+S-1 -> [B, S, D]. cache: this
         block's cache object (written here); None: a whole sequence from position 0 (or any start for a
-        sliding block), nothing kept."""
-        bsz, seqlen, _ = a.shape
+        sliding block), nothing kept. start: an int, or Positions; device Positions (a captured decode step:
+        `captures` holds) take the kernels with every position read on the device, the cache's length set by the
+        caller (begin_write)."""
+        if isinstance(start, Positions) and start.start is not None:
+            start = start.start
+        if isinstance(start, Positions):
+            return self._forward_on_device(a, start, cache)
+        seqlen = a.shape[1]
         positions = torch.arange(start, start + seqlen, device=a.device)
         cos, sin = self.rotary.at(positions, a.dtype)                          # [S, r/2]
-        qr = self.q_norm(self.wq_a(a))
-        q = unweighted_rms(self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim), self.args.rms_norm_eps)
-        q = apply_rope(q, cos[:, None], sin[:, None])
-        kv = apply_rope(self.kv_norm(self.wkv(a)), cos, sin)                  # [B, S, hd]: key and value
+        qr, q, kv = self._queries(a, cos, sin)
         # decode through the Triton kernel where kernels run: it reads the window straight from the ring
         kernel = cache is not None and seqlen <= MAX_QUERIES and cache.window.kv.dtype == q.dtype and \
             dispatch.use_kernels(q.device)
@@ -215,8 +237,49 @@ class Attention(nn.Module):
                                       entries, None if selected is None else selected.to(torch.int32), self.ratio)
         else:
             out = self._attend(q, start, positions, keys, entries, selected)    # [B, S, H, hd]
+        return self._output(out, cos, sin)
+
+    def _queries(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(query latent qr [B, S, q_lora_rank], queries q [B, S, H, hd], key = value rows kv [B, S, hd]), RoPE'd."""
+        bsz, seqlen, _ = a.shape
+        qr = self.q_norm(self.wq_a(a))
+        q = unweighted_rms(self.wq_b(qr).view(bsz, seqlen, self.n_heads, self.head_dim), self.args.rms_norm_eps)
+        q = apply_rope(q, cos[:, None], sin[:, None])
+        kv = apply_rope(self.kv_norm(self.wkv(a)), cos, sin)
+        return qr, q, kv
+
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         out = apply_rope(out, cos[:, None], -sin[:, None])                   # back to offsets p - j
         return self.wo_b(self._grouped_wo_a(out))
+
+    def captures(self, cache: SlidingCache | None, dtype: torch.dtype) -> bool:
+        """Whether a decode step may run this attention with its positions on the device (a captured step): the
+        Triton kernels run there, and the cache keeps the model's dtype."""
+        return cache is not None and cache.window.kv.dtype == dtype and dispatch.use_kernels(cache.window.kv.device)
+
+    def _forward_on_device(self, a: torch.Tensor, pos: Positions, cache: SlidingCache) -> torch.Tensor:
+        """forward for device positions (1..4 tokens): the ring, the compressors' state and their entries written
+        at pos.index; the kernels read the positions from the device and attend over the cache's whole capacity
+        of entries, of which they read the visible ones; CSA selects among all its capacity's index keys (those not
+        yet visible score -inf and are dropped) whenever the capacity exceeds index_topk."""
+        assert cache is not None and pos.length <= MAX_QUERIES and self.captures(cache, a.dtype), \
+            "device positions need a cache in the model's dtype and the kernels"
+        positions = pos.index
+        first = positions[:1]
+        cos, sin = self.rotary.at(positions, a.dtype)
+        qr, q, kv = self._queries(a, cos, sin)
+        cache.window.write_at(kv, positions)
+        entries = selected = None
+        if self.compressor is not None:
+            states = cache.compressors
+            entries = self.compressor.update(a, pos, states["compressor"], self.compress_rotary)
+            if self.indexer is not None:
+                index_keys = self.indexer.compressor.update(a, pos, states["indexer"], self.compress_rotary)
+                if entries.shape[1] > self.indexer.topk:
+                    selected = self.indexer.select(a, qr, positions, index_keys, self.compress_rotary, first)
+        out = v4_decode_attention(q, cache.window.kv, first, self.window, self.attn_sink, self.head_dim ** -0.5,
+                                  entries, None if selected is None else selected.to(torch.int32), self.ratio)
+        return self._output(out, cos, sin)
 
     def _window_keys(self, kv: torch.Tensor, start: int, cache: SlidingCache | None, gather: bool = True):
         """(the window's keys [B, n_prior + S, hd] for positions start - n_prior.. (None without `gather`: only

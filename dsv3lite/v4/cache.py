@@ -42,6 +42,10 @@ class WindowRing:
         idx = torch.arange(first, end, device=self.kv.device) % self.slots
         return self.kv.index_select(1, idx)
 
+    def write_at(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """rows [B, S, width] at device positions [S] (S <= slots; a captured step)."""
+        self.kv.index_copy_(1, positions % self.slots, rows.to(self.kv.dtype))
+
     def write(self, rows: torch.Tensor, start: int) -> None:
         """rows [B, S, width] at positions start..; only the last `slots` of them are kept."""
         keep = min(rows.shape[1], self.slots)
@@ -78,6 +82,10 @@ class CompressorState:
     def remember(self, cv: torch.Tensor, g: torch.Tensor, start: int) -> None:
         self.cv.write(cv, start)
         self.g.write(g, start)
+
+    def remember_at(self, cv: torch.Tensor, g: torch.Tensor, positions: torch.Tensor) -> None:
+        self.cv.write_at(cv, positions)
+        self.g.write_at(g, positions)
 
     def put(self, entries: torch.Tensor, first_window: int) -> None:
         self.entries[:, first_window:first_window + entries.shape[1]] = entries.to(self.entries.dtype)

@@ -109,7 +109,8 @@ class Block(nn.Module):
         self.hc_ffn = HyperConnection(args)
         self.observers = Observers()          # the model's own (Transformer sets it)
 
-    def attention(self, x: torch.Tensor, start: int, cache: SlidingCache | None = None) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, start, cache: SlidingCache | None = None) -> torch.Tensor:
+        """start: the first position, an int or cache.Positions (device positions: a captured decode step)."""
         pre, post, comb = self.hc_attn.weights(x)
         f = self.attn(self.attn_norm(self.hc_attn.collapse(x, pre)), start, cache)
         return self.hc_attn.expand(x, f, post, comb)

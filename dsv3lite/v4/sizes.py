@@ -148,21 +148,28 @@ def workspace_bytes(a: V4Args, ctx_size: int, dense_bytes: int) -> int:
     scores += min(SCORE_ELEMENTS, chunk * a.index_n_heads * ctx_size // a.compress_rate_csa)
     experts = chunk * a.num_experts_per_tok * 3 * a.moe_intermediate_size * 4
     logits = (MAX_DRAFT_TOKENS + 1) * a.vocab_size * 4 * 2
-    return streams + heads + 3 * 4 * scores + experts + logits + decode_graph_bytes(a, dense_bytes) + SLACK_BYTES
+    return streams + heads + 3 * 4 * scores + experts + logits + decode_graph_bytes(a, ctx_size, dense_bytes) + \
+        SLACK_BYTES
 
 
-def decode_graph_bytes(a: V4Args, dense_bytes: int) -> int:
+def decode_graph_bytes(a: V4Args, ctx_size: int, dense_bytes: int) -> int:
     """The CUDA graphs' memory pools (dsv3lite/executors/graphs.py), which stay allocated: one per decode step size
-    in use (every size up to ABSORB_MAX_TOKENS), each holding every block's feed-forward outputs (the router input,
-    shared and routed outputs, the new streams and the copied attention output; the fp32 mHC mix, routing weights,
-    ids and scores) and one block's temporaries (the fp32 mixes of the streams, the shared expert's
-    intermediates)."""
+    in use (every size up to ABSORB_MAX_TOKENS), each holding every block's outputs (the attention's streams, the
+    router input, shared and routed outputs, the new streams; the fp32 mHC mix, routing weights, ids and scores)
+    and one block's temporaries: the fp32 mixes of the streams, the shared expert's intermediates, the queries and
+    the attention kernel's partial outputs at its most splits, the indexer's fp32 scores over the cache's capacity
+    of keys and their top-k."""
+    from ..kernels.mla_decode import max_splits
+
     n, d = a.hc_mult, a.hidden_size
+    keys = ctx_size // a.compress_rate_csa
+    attention = a.num_attention_heads * a.head_dim * dense_bytes * (3 + max_splits(a.sliding_window + keys)) + \
+        a.index_n_heads * a.index_head_dim * dense_bytes + keys * 4 * 3 + a.index_topk * 8 * 2
     total = 0
     for tokens in range(1, ABSORB_MAX_TOKENS + 1):
         per_block = (2 * n + 4) * d * dense_bytes + (n + n * n + a.num_experts_per_tok + a.n_routed_experts) * 4 + \
             a.num_experts_per_tok * 8
-        temporaries = 4 * n * d * 4 + 3 * a.moe_intermediate_size * dense_bytes
+        temporaries = 4 * n * d * 4 + 3 * a.moe_intermediate_size * dense_bytes + attention
         total += tokens * (a.num_hidden_layers * per_block + temporaries)
     return total
 
