@@ -124,9 +124,13 @@ runpy.run_path({src!r} + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
+# GGUF kinds beyond llama-quantize's own types: kind -> (its type argument, options before the paths)
+QUANTIZE_AS: dict[str, tuple[str, list[str]]] = {}
+
+
 def gguf(hf_dir: Path, kind: str, out_dir: Path, base: str = "BF16") -> Path:
-    """The checkpoint as a GGUF of `kind` (F32 | BF16 | Q4_0 | Q8_0), converted to `base` and quantized from it,
-    once."""
+    """The checkpoint as a GGUF of `kind` (F32 | BF16 | Q4_0 | Q8_0, or a kind of QUANTIZE_AS), converted to `base`
+    and quantized from it, once."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"model-{kind}.gguf"
     if path.exists():
@@ -140,7 +144,8 @@ def gguf(hf_dir: Path, kind: str, out_dir: Path, base: str = "BF16") -> Path:
                         "--outfile", str(base_path)], check=True, stdout=subprocess.DEVNULL)
     if kind != base:
         log(f"quantizing {base_path.name} to {kind}")
-        subprocess.run([str(llama_bin("llama-quantize")), str(base_path), str(path), kind], check=True,
+        qtype, options = QUANTIZE_AS.get(kind, (kind, []))
+        subprocess.run([str(llama_bin("llama-quantize")), *options, str(base_path), str(path), qtype], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return path
 

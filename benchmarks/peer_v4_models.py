@@ -6,7 +6,9 @@ tables b and c; table a, one expert, is benchmarks/peer_v4.py):
       dense weights dequantized to fp32) against llama.cpp's GGUF of the same checkpoint. Its converter keeps the
       MXFP4 experts and writes V4's FP8 dense weights as Q8_0 whatever --outtype says (embeddings and head BF16,
       norms and mHC F32; the rows say "F32", the converter's --outtype): dsv3lite with its dense weights in fp32
-      (as loaded) and packed to int8 (`--dense int8`, the bytes of Q8_0);
+      (as loaded) and packed to int8 (`--dense int8`, the bytes of Q8_0); and at 4 bits, dsv3lite's `--dense int4`
+      against the same GGUF requantized by llama-quantize with its dense weights (head included) in Q4_0 and its
+      MXFP4 experts copied as they are (kind MXFP4-Q4_0);
   (c) V4-Flash's geometry at tiny widths (43 layers, 256 experts, top-6, 3 hash layers, the released compression
       ratios, MXFP4 experts): host time per token, dsv3lite resident against llama.cpp F32, and offloaded on the
       simulated device tier at ~10% and ~25% of the experts against resident.
@@ -36,6 +38,15 @@ import cpu_peer  # noqa: E402  (the llama.cpp build, conversion, llama-bench and
 GEOMETRY = dict(num_attention_heads=8, head_dim=64, qk_rope_head_dim=16, index_head_dim=64, compress_rate_hca=128)
 ARCHITECTURE = "DeepseekV4ForCausalLM"          # what a released config.json names (the converter reads it)
 SLOT_FRACTIONS = (0.10, 0.25)
+# the slice's GGUF with its dense weights at 4 bits, the tensors dsv3lite's --dense int4 packs: the projections
+# (attention, compressors, indexer), shared experts and head in Q4_0 (from the converter's Q8_0 / BF16:
+# requantized); the MXFP4 experts copied as they are (the same type is not requantized); what --dense keeps as it is
+# kept too: the mHC matrices and the compressors' ape in F32, the embeddings and routers in BF16
+KEEP_AS = {"ffn_gate_exps": "mxfp4", "ffn_up_exps": "mxfp4", "ffn_down_exps": "mxfp4", "hc_attn_fn": "f32",
+           "hc_ffn_fn": "f32", "output_hc_fn": "f32", "compressor_ape": "f32"}
+cpu_peer.QUANTIZE_AS["MXFP4-Q4_0"] = ("Q4_0", [
+    "--allow-requantize", "--output-tensor-type", "q4_0", "--token-embedding-type", "bf16",
+    *(arg for name, kind in KEEP_AS.items() for arg in ("--tensor-type", f"{name}={kind}"))])
 
 
 def write_checkpoint(name: str, cfg: dict) -> Path:
@@ -88,6 +99,8 @@ def prompt(n: int, vocab: int) -> list[int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tables", default="bc")
+    ap.add_argument("--dense", default="all", choices=("all", "fp32", "int8", "int4"),
+                    help="table b: the slice's rows of this dense format only")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=64)
@@ -102,12 +115,15 @@ def main() -> int:
     if "b" in a.tables:
         path = slice_checkpoint()
         configs = [("mxfp4 experts + fp32 dense", same, "F32"),
-                   ("mxfp4 experts + int8 dense", dict(same, dense="int8"), "F32")]
+                   ("mxfp4 experts + int8 dense", dict(same, dense="int8"), "F32"),
+                   ("mxfp4 experts + int4 dense", dict(same, dense="int4"), "MXFP4-Q4_0")]
+        configs = [c for c in configs if a.dense in ("all", c[1].get("dense", "fp32"))]
         load = cpu_peer.wait_for_quiet(a.quiet, a.wait)
         res = cpu_peer.compare_models(configs, path, cpu_peer.CACHE / "bench" / "v4-slice-gguf", "F32", a.threads,
                                       a.rounds, prompt(a.prompt, 4096), a.tokens, with_mtp=False)
         cpu_peer.print_models(f"(b) V4-Flash real-width slice, 1-minute load {load:.2f} at the start (llama.cpp: "
-                              f"MXFP4 experts, Q8_0 dense as its converter writes V4)", res, configs)
+                              f"MXFP4 experts; F32: Q8_0 dense as its converter writes V4; MXFP4-Q4_0: Q4_0 dense)",
+                              res, configs)
     if "c" in a.tables:
         path = geometry_checkpoint()
         configs = [("resident", same, "F32")] + [
