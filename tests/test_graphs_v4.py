@@ -43,33 +43,33 @@ def with_graphs(llm, capture=eager_capture):
     return logs
 
 
-def test_graph_steps_give_the_eager_streams_and_cache(official):
-    """Decode steps through the segments past a compressed window of each kind give eager decode's streams, and
-    leave every cache object (ring, compressors' state and entries, indexer keys) as eager decode does."""
-    llm = load(official, mtp=False)
-    model = llm.model
-    assert graphs.supported(model)
+def eager_and_graph_steps(model, tol: float):
+    """22 decode steps after the prompt, past compressed windows of every kind, through the model's eager forward
+    and through the graphs on fresh caches: the streams and every cache tensor agree within `tol`; -> the runner."""
     tokens = PROMPT + [7 * i + 3 for i in range(22)]
-    runs = {}
-    for way in ("eager", "graphs"):
+    runs = []
+    for graphs_on in (False, True):
         runner = DecodeGraphs(model, capture=eager_capture)
         cache = model.new_cache(CTX, torch.float32, torch.device("cpu"))
         with torch.inference_mode():
             model.hidden(torch.tensor([tokens[:len(PROMPT)]]), 0, cache)
-            out = []
-            for p in range(len(PROMPT), len(tokens)):
-                if way == "eager":
-                    out.append(model.hidden(torch.tensor([[tokens[p]]]), p, cache))
-                else:
-                    out.append(runner.hidden([tokens[p]], p, cache))
-        runs[way] = (out, [t.clone() for t in cache.tensors()], runner)
-    (eager, eager_cache, _), (replayed, cache, runner) = runs["eager"], runs["graphs"]
+            out = [runner.hidden([tokens[p]], p, cache) if graphs_on else
+                   model.hidden(torch.tensor([[tokens[p]]]), p, cache) for p in range(len(PROMPT), len(tokens))]
+        runs.append((out, [t.clone() for t in cache.tensors()]))
+    (eager, eager_cache), (replayed, cache) = runs
     assert replayed[0].shape == eager[0].shape == (1, 1, model.args.hc_mult, model.args.hidden_size)
-    for a, b in zip(eager, replayed):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    for a, b in zip(eager_cache, cache):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    # the embedding, then one segment a block: its feed-forward with the resident blob experts inside it
+    for a, b in zip(eager + eager_cache, replayed + cache):
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+    return runner
+
+
+def test_graph_steps_give_the_eager_streams_and_cache(official):
+    """Decode steps through the segments give eager decode's streams, and leave every cache object (ring,
+    compressors' state and entries, indexer keys) as eager decode does."""
+    model = load(official, mtp=False).model
+    assert graphs.supported(model)
+    runner = eager_and_graph_steps(model, 1e-5)
+    # off the kernels: the embedding, then one segment a block (its feed-forward, resident blob experts inside it)
     assert runner.stats() == {"graphs_per_step": {1: 1 + model.args.num_hidden_layers}, "off": None}
 
 
@@ -185,29 +185,9 @@ def test_attention_captures_on_the_triton_kernels(official, monkeypatch, mode):
 
 
 def test_device_positions_give_the_host_positions_streams_and_entries(official, monkeypatch):
-    """Decode steps through the captured attention (device positions) past windows of every kind: the streams and
-    the compressed entries within float error of the host-position kernel path (the kernels attend over the
-    cache's whole capacity there, so their splits differ), the window rings and compressor states equal."""
+    """Decode steps through the captured attention (device positions): the streams and every cache tensor within
+    float error of the host-position kernel path (the kernels attend over the cache's whole capacity there, so
+    their splits differ)."""
     monkeypatch.setenv("DSV3LITE_KERNELS", "triton")
-    llm = load(official, mtp=False)
-    model = llm.model
-    tokens = PROMPT + [7 * i + 3 for i in range(22)]
-    runs = {}
-    for way in ("host", "device"):
-        runner = DecodeGraphs(model, capture=eager_capture)
-        cache = model.new_cache(CTX, torch.float32, torch.device("cpu"))
-        with torch.inference_mode():
-            model.hidden(torch.tensor([tokens[:len(PROMPT)]]), 0, cache)
-            out = []
-            for p in range(len(PROMPT), len(tokens)):
-                if way == "host":
-                    out.append(model.hidden(torch.tensor([[tokens[p]]]), p, cache))
-                else:
-                    out.append(runner.hidden([tokens[p]], p, cache))
-        runs[way] = (out, [t.clone() for t in cache.tensors()], runner)
-    (host, host_cache, _), (device, device_cache, runner) = runs["host"], runs["device"]
+    runner = eager_and_graph_steps(load(official, mtp=False).model, 1e-4)
     assert runner.stats()["graphs_per_step"] == {1: 1}
-    for a, b in zip(host, device):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    for a, b in zip(host_cache, device_cache):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
