@@ -820,13 +820,16 @@ int dsv3_moe(const float* xp, int64_t T, const int64_t* idp, const float* wp, in
 
 // Dense linear: out [T, N] = x [T, K] @ W^T for one packed matrix: fmt, group; w the weight bytes, s the scales,
 // z the zeros (int4) or null. Returns 0, or -2 for too many groups.
-// A linear's work items: at least ITEM_BYTES of weights (32..MAX_RB rows), so that each thread reads long runs of
-// consecutive rows, which the prefetchers follow (V4's short rows, K = 1024, in 32-row items: a second thread ran
-// no faster than one; measured 1.4-2.1x at 2 threads with these)
-constexpr int64_t ITEM_BYTES = 256 << 10, MAX_RB = 256;
+// A linear's work items (rows of m, n_rows of them, for nthreads): up to ITEM_BYTES of weights (32..MAX_RB rows), so
+// that each thread reads long runs of consecutive rows, which the prefetchers follow (V4's short rows, K = 1024,
+// in 32-row items: a second thread ran no faster than one; 1.4-2.1x at 2 threads with these), but at least
+// ITEMS_PER_THREAD items a thread while 32-row items allow it (many cores: the load stays balanced)
+constexpr int64_t ITEM_BYTES = 256 << 10, MAX_RB = 256, ITEMS_PER_THREAD = 4;
 
-int64_t linear_item_rows(const Mat& m) {
-  return std::clamp<int64_t>(ITEM_BYTES / std::max<int64_t>(1, m.row_bytes()), 32, MAX_RB);
+int64_t linear_item_rows(const Mat& m, int64_t n_rows, int nthreads) {
+  const int64_t by_bytes = std::clamp<int64_t>(ITEM_BYTES / std::max<int64_t>(1, m.row_bytes()), 32, MAX_RB);
+  const int64_t balanced = (n_rows + ITEMS_PER_THREAD * nthreads - 1) / (ITEMS_PER_THREAD * nthreads);
+  return std::min(by_bytes, std::max<int64_t>(32, balanced));
 }
 
 int dsv3_linear(const float* xp, int64_t T, int64_t k, int64_t fmt, int64_t group, int64_t n, const void* w,
@@ -845,7 +848,7 @@ int dsv3_linear(const float* xp, int64_t T, int64_t k, int64_t fmt, int64_t grou
   const int nthreads = thread_count(threads, m.row_bytes() * n * std::max<int64_t>(1, T / 4));
   parallel_items(T, T * k >= 65536 ? nthreads : 1,
                  [&](int64_t t) { prepare(xp + t * k, xsz, abuf + t * xsz.bytes()); });
-  const int64_t RB = linear_item_rows(m);
+  const int64_t RB = linear_item_rows(m, n, nthreads);
   const int64_t tblocks = (T + MAX_TOK - 1) / MAX_TOK, rblocks = (n + RB - 1) / RB;
   // rows outer, tokens inner: a block of weight rows stays in cache while the tokens pass over it
   parallel_items(rblocks, nthreads, [&](int64_t item) {

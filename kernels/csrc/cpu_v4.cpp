@@ -326,7 +326,7 @@ int grouped_linear(const Lin& l, int64_t groups, const float* x, int64_t T, floa
   const int nthreads = thread_count(threads, m.row_bytes() * l.n * std::max<int64_t>(1, T / 4));
   parallel_items(T * groups, T * groups * in >= 65536 ? nthreads : 1,
                  [&](int64_t i) { prepare(x + i * in, sz, abuf + i * sz.bytes()); });
-  const int64_t RB = linear_item_rows(m);
+  const int64_t RB = linear_item_rows(m, R, std::max(1, nthreads / static_cast<int>(groups)));
   const int64_t per_group = (R + RB - 1) / RB;
   parallel_items(groups * per_group, nthreads, [&](int64_t item) {
     const int64_t g = item / per_group, r0 = g * R + item % per_group * RB, r1 = std::min(r0 + RB, (g + 1) * R);
