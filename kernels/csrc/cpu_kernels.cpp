@@ -687,6 +687,19 @@ Mat expert_mat(const Desc& d, const uint8_t* blob, int which) {
 
 constexpr int MAX_GROUPS = 1024;
 
+// Work items of the kernels that read weight rows: up to ITEM_BYTES of weights (min_rows..MAX_RB rows), so that
+// each thread reads long runs of consecutive rows, which the prefetchers follow (V4's short rows, K = 1024, in
+// 32-row items: a second thread ran no faster than one; 1.4-2.1x at 2 threads with these), but at least
+// ITEMS_PER_THREAD items a thread while min_rows-row items allow it (many cores: the load stays balanced).
+// row_bytes: the bytes an item reads per row; rows: the rows all items cover.
+constexpr int64_t ITEM_BYTES = 256 << 10, MAX_RB = 256, ITEMS_PER_THREAD = 4;
+
+int64_t item_rows(int64_t row_bytes, int64_t rows, int nthreads, int64_t min_rows) {
+  const int64_t by_bytes = std::clamp<int64_t>(ITEM_BYTES / std::max<int64_t>(1, row_bytes), min_rows, MAX_RB);
+  const int64_t balanced = (rows + ITEMS_PER_THREAD * nthreads - 1) / (ITEMS_PER_THREAD * nthreads);
+  return std::min(by_bytes, std::max(min_rows, balanced));
+}
+
 // Routed experts of one MoE layer, any blob format: `P` reads the blobs (StdExperts below: the Mat formats;
 // MxExperts: MXFP4, in its section). Pairs (t, k) whose expert has a blob are grouped by ascending expert id (then
 // t * K + k); phase 1 computes each pair's h = silu(min(gate x, limit)) * clamp(up x, -limit, limit) (limit +inf:
@@ -725,13 +738,13 @@ int moe_grouped(const P& p, const float* xp, int64_t T, const int64_t* idp, cons
   const int nthreads = thread_count(threads, p.expert_bytes() * n_used);
   parallel_items(T, T * D >= 65536 ? nthreads : 1, [&](int64_t t) { p.prepare(xp + t * D, false, abuf + t * xb); });
 
-  // phase 1: gate, up, the (clamped) SwiGLU. Items: (expert, block of RB1 rows of I)
-  constexpr int64_t RB1 = 64;
+  // phase 1: gate, up, the (clamped) SwiGLU. Items: (expert, block of RB1 rows of I), sized as a linear's
+  const int64_t RB1 = item_rows(2 * p.expert_bytes() / (3 * I), I * n_used, nthreads, 64);
   const int64_t blocks1 = (I + RB1 - 1) / RB1;
   parallel_items(n_used * blocks1, nthreads, [&](int64_t item) {
     const int64_t e = used[item / blocks1], r0 = item % blocks1 * RB1, r1 = std::min(r0 + RB1, I);
     const uint8_t* blob = reinterpret_cast<const uint8_t*>(pp[e]);
-    float g[MAX_TOK * RB1], u[MAX_TOK * RB1];
+    float g[MAX_TOK * MAX_RB], u[MAX_TOK * MAX_RB];
     for (int64_t p0 = begin[e]; p0 < begin[e + 1]; p0 += MAX_TOK) {
       const int nt = static_cast<int>(std::min<int64_t>(MAX_TOK, begin[e + 1] - p0));
       A a[MAX_TOK];
@@ -748,10 +761,10 @@ int moe_grouped(const P& p, const float* xp, int64_t T, const int64_t* idp, cons
                  [&](int64_t q) { p.prepare(hbuf + q * I, true, hprep + q * hb); });
 
   // phase 2: down and the weighted sum. Items: blocks of RB2 rows of D; experts ascending inside each.
-  constexpr int64_t RB2 = 64;
+  const int64_t RB2 = item_rows(n_used * p.expert_bytes() / (3 * D), D, nthreads, 64);
   parallel_items((D + RB2 - 1) / RB2, nthreads, [&](int64_t item) {
     const int64_t r0 = item * RB2, r1 = std::min(r0 + RB2, D);
-    float y[MAX_TOK * RB2];
+    float y[MAX_TOK * MAX_RB];
     for (int64_t j = 0; j < n_used; ++j) {
       const int64_t e = used[j];
       const uint8_t* blob = reinterpret_cast<const uint8_t*>(pp[e]);
@@ -820,16 +833,9 @@ int dsv3_moe(const float* xp, int64_t T, const int64_t* idp, const float* wp, in
 
 // Dense linear: out [T, N] = x [T, K] @ W^T for one packed matrix: fmt, group; w the weight bytes, s the scales,
 // z the zeros (int4) or null. Returns 0, or -2 for too many groups.
-// A linear's work items (rows of m, n_rows of them, for nthreads): up to ITEM_BYTES of weights (32..MAX_RB rows), so
-// that each thread reads long runs of consecutive rows, which the prefetchers follow (V4's short rows, K = 1024,
-// in 32-row items: a second thread ran no faster than one; 1.4-2.1x at 2 threads with these), but at least
-// ITEMS_PER_THREAD items a thread while 32-row items allow it (many cores: the load stays balanced)
-constexpr int64_t ITEM_BYTES = 256 << 10, MAX_RB = 256, ITEMS_PER_THREAD = 4;
-
+// a linear's work items (rows of m, n_rows of them): item_rows, at least 32 rows
 int64_t linear_item_rows(const Mat& m, int64_t n_rows, int nthreads) {
-  const int64_t by_bytes = std::clamp<int64_t>(ITEM_BYTES / std::max<int64_t>(1, m.row_bytes()), 32, MAX_RB);
-  const int64_t balanced = (n_rows + ITEMS_PER_THREAD * nthreads - 1) / (ITEMS_PER_THREAD * nthreads);
-  return std::min(by_bytes, std::max<int64_t>(32, balanced));
+  return item_rows(m.row_bytes(), n_rows, nthreads, 32);
 }
 
 int dsv3_linear(const float* xp, int64_t T, int64_t k, int64_t fmt, int64_t group, int64_t n, const void* w,
