@@ -15,6 +15,8 @@ CPU step can walk them with one stride.
 """
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from .layers import as_dtype
@@ -52,24 +54,27 @@ class Positions:
         return as_dtype(cos, dtype)[:, None], as_dtype(sin, dtype)[:, None]
 
 
-class LayerCache:
-    """One layer's state for one sequence (see the module docstring)."""
+class LayerCache(abc.ABC):
+    """One layer's state for one sequence (see the module docstring); each layer kind implements the abstract
+    methods."""
 
+    @abc.abstractmethod
     def truncate(self, length: int) -> None:
-        raise NotImplementedError
+        """The state becomes what writing tokens [0, length) gave."""
 
     def keepable(self, length: int) -> int:
         """The longest prefix, at most `length` tokens, that truncate can keep (a kind that can only roll back its
         latest write answers 0 for an earlier length: the prompt is then prefilled again from the start)."""
         return length
 
+    @abc.abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """The tensors holding the state (memory accounting)."""
-        raise NotImplementedError
 
     @classmethod
+    @abc.abstractmethod
     def bytes_per_token(cls, args) -> int:
-        raise NotImplementedError
+        """Bytes a token adds to the layer's state, for the planner."""
 
     @classmethod
     def fixed_bytes(cls, args) -> int:

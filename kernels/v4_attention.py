@@ -269,7 +269,7 @@ def v4_decode_attention(q: torch.Tensor, window: torch.Tensor, start, window_siz
     else:
         part_out = torch.empty(batch, rows, num_splits, dim, dtype=q.dtype, device=q.device)
         part_lse = torch.empty(batch, rows, num_splits, dtype=torch.float32, device=q.device)
-    ent = entries if entries is not None else window          # placeholder pointers, never read
+    ent = entries if entries is not None else window          # pointers the kernel takes but does not read
     idx = indices if sparse else part_lse
     sink = sink if sink.dtype == torch.float32 else sink.float()
     _v4_decode_split_kernel[(batch, row_blocks, num_splits)](

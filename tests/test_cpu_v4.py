@@ -20,7 +20,7 @@ from dsv3lite.dense import pack_dense
 from dsv3lite.executors.cpu_v4 import V4CpuStep
 from dsv3lite.kernels import cpu_v4
 from dsv3lite.testing import KernelSpy
-from dsv3lite.testing_v4 import load_v4, write_v4_hf, write_v4_pair
+from dsv3lite.testing_v4 import load_v4, write_v4_hf
 from dsv3lite.v4.cache import new_cache
 from dsv3lite.v4.config import CSA, HCA, SLIDING
 
@@ -40,9 +40,9 @@ def close_but_for_rounding_flips(got, want):
 
 
 @pytest.fixture(scope="module")
-def official(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v4cpu")
-    return write_v4_pair(root / "official", root / "hf", "tiny")[0]
+def official(v4_dir):
+    """The session's tiny DeepSeek-V4 in the released layout (conftest.py)."""
+    return v4_dir
 
 
 @pytest.fixture(scope="module")

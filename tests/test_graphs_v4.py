@@ -12,7 +12,6 @@ import dsv3lite
 from dsv3lite.executors import graphs
 from dsv3lite.executors.graphs import DecodeGraphs, eager_capture
 from dsv3lite.testing import HostReads, offload_budget
-from dsv3lite.testing_v4 import write_v4_pair
 
 EAGER_STEP = True                 # the reference step is the eager model path (conftest.py), not the C++ step
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -21,9 +20,9 @@ PROMPT = [5, 9, 17, 33, 2, 41, 8, 77, 120, 3, 64]
 
 
 @pytest.fixture(scope="module")
-def official(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v4graphs")
-    return write_v4_pair(root / "official", root / "hf", "tiny")[0]
+def official(v4_dir):
+    """The session's tiny DeepSeek-V4 in the released layout (conftest.py)."""
+    return v4_dir
 
 
 def load(path, **kw):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import dsv3lite
 from dsv3lite import generate
 from dsv3lite.testing import offload_budget
-from dsv3lite.testing_v4 import load_v4, write_v4_pair
+from dsv3lite.testing_v4 import load_v4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CTX = 160
@@ -21,9 +21,9 @@ PROMPT = [5, 9, 17, 33, 2, 41, 8, 77, 120, 3, 64]
 
 
 @pytest.fixture(scope="module")
-def official(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v4engine")
-    return write_v4_pair(root / "official", root / "hf", "tiny")[0]
+def official(v4_dir):
+    """The session's tiny DeepSeek-V4 in the released layout (conftest.py)."""
+    return v4_dir
 
 
 def load(path, **kw):

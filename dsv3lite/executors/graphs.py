@@ -58,9 +58,22 @@ class _Op:
         self.name, self.fn, self.capturable, self.hook = name, fn, capturable, hook
 
 
-class _V3Family:
-    """What the step of a V3-family model needs of its cache: the one latent tensor (batch 1), every position's RoPE
-    rows made before any capture."""
+class _Family:
+    """What the graphs need of a model family. Each family gives cache_setting(cache) -> (device, key), or None
+    when no graphs serve that cache, and ops(model, observers, device, cache) -> its step's ops; these defaults
+    cover the rest: what to make before any capture, and what its plans hold alive."""
+
+    @staticmethod
+    def prepare(model, cache: ModelCache, device: torch.device) -> None:
+        """Nothing, unless the family has tables every position needs (made before any capture)."""
+
+    @staticmethod
+    def held(model) -> tuple:
+        return ()
+
+
+class _V3Family(_Family):
+    """The V3 family: the one latent tensor (batch 1), every position's RoPE rows made before any capture."""
 
     @staticmethod
     def cache_setting(cache: ModelCache):
@@ -82,7 +95,7 @@ class _V3Family:
         return _ops(model, observers, device)
 
 
-class _V4Family:
+class _V4Family(_Family):
     """DeepSeek-V4: a cache object per block (batch 1); the step's ops are _v4_ops."""
 
     @staticmethod
@@ -91,14 +104,6 @@ class _V4Family:
         if ring.shape[0] != 1:
             return None
         return ring.device, tuple(map(id, cache.layers))
-
-    @staticmethod
-    def prepare(model, cache: ModelCache, device: torch.device) -> None:
-        pass
-
-    @staticmethod
-    def held(model) -> tuple:
-        return ()
 
     @staticmethod
     def ops(model, observers, device: torch.device, cache: ModelCache) -> list[_Op]:
@@ -130,19 +135,11 @@ def _ops(model, observers, device: torch.device) -> list[_Op]:
         host_attention = block.attn.indexer is not None
         ops.append(_Op(f"layer {i} attention", _attention(block, i, host_attention), capturable=not host_attention))
         if block.is_moe:
-            ops.append(_Op(f"layer {i} router and shared experts", _moe_pre(block, i)))
-        if observers.attention or observers.layer:
-            ops.append(_Op(f"layer {i} attention observers", _watch(block, i, observers), capturable=False,
-                           hook=True))
-        if not block.is_moe:
-            ops.append(_Op(f"layer {i} MLP", _mlp(block)))
+            ops += _moe_ops(block, i, observers, device, _moe_pre(block, i), _residual(block, i))
             continue
-        if observers.routing:
-            ops.append(_Op(f"layer {i} routing observers", _route_watch(block, i, observers), capturable=False,
-                           hook=True))
-        safe = getattr(block.ffn.experts, "graph_safe", None)
-        ops.append(_Op(f"layer {i} routed experts", _routed(block, i), capturable=bool(safe and safe(device))))
-        ops.append(_Op(f"layer {i} residual", _residual(block, i)))
+        if observers.attention or observers.layer:
+            ops.append(_watch_op(block, i, observers))
+        ops.append(_Op(f"layer {i} MLP", _mlp(block)))
 
     def final(env):
         env["out"] = model.norm(env["h"])
@@ -172,16 +169,7 @@ def _v4_ops(model, observers, device: torch.device, cache: ModelCache) -> list[_
     for i, block in enumerate(model.layers):
         on_device = block.attn.captures(cache[i], dtype)
         ops.append(_Op(f"layer {i} attention", _v4_attention(block, i, on_device), capturable=on_device))
-        ops.append(_Op(f"layer {i} router and shared experts", _v4_moe_pre(block, i)))
-        if observers.attention or observers.layer:
-            ops.append(_Op(f"layer {i} attention observers", _watch(block, i, observers), capturable=False,
-                           hook=True))
-        if observers.routing:
-            ops.append(_Op(f"layer {i} routing observers", _route_watch(block, i, observers), capturable=False,
-                           hook=True))
-        safe = getattr(block.ffn.experts, "graph_safe", None)
-        ops.append(_Op(f"layer {i} routed experts", _routed(block, i), capturable=bool(safe and safe(device))))
-        ops.append(_Op(f"layer {i} mHC post", _v4_residual(block, i)))
+        ops += _moe_ops(block, i, observers, device, _v4_moe_pre(block, i), _v4_residual(block, i))
 
     def final(env):
         env["out"] = env["h"]                  # the streams (the engine's logits apply hc_head, the norm, the head)
@@ -212,6 +200,25 @@ def _v4_residual(block, i):
         out = block.ffn.combine(env[("routed", i)], env[("shared", i)])
         env["h"] = block.ffn_output(env[("h", i)], out, (env[("post", i)], env[("comb", i)]))
     return fn
+
+
+def _watch_op(block, i, observers) -> _Op:
+    return _Op(f"layer {i} attention observers", _watch(block, i, observers), capturable=False, hook=True)
+
+
+def _moe_ops(block, i, observers, device: torch.device, pre, residual) -> list[_Op]:
+    """A MoE block's feed-forward after its attention, as eager decode runs it: `pre` (router input, route and
+    shared experts: the family's), the observers (called after the segment that computed their inputs), the routed
+    experts (captured where their provider reads nothing back), then `residual` (the family's)."""
+    ops = [_Op(f"layer {i} router and shared experts", pre)]
+    if observers.attention or observers.layer:
+        ops.append(_watch_op(block, i, observers))
+    if observers.routing:
+        ops.append(_Op(f"layer {i} routing observers", _route_watch(block, i, observers), capturable=False, hook=True))
+    safe = getattr(block.ffn.experts, "graph_safe", None)
+    ops.append(_Op(f"layer {i} routed experts", _routed(block, i), capturable=bool(safe and safe(device))))
+    ops.append(_Op(f"layer {i} residual", residual))
+    return ops
 
 
 def _device_positions(env) -> Positions:

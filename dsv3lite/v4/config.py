@@ -220,7 +220,7 @@ def _attn_kinds(cfg: dict, n: int) -> tuple[list[str], bool]:
     if len(kinds) == n:
         kinds.append(SLIDING)                         # the MTP block (transformers drops its entry)
     if dspark:
-        kinds[n] = SLIDING                            # no MTP block is built; its entry is a placeholder
+        kinds[n] = SLIDING                            # no MTP block is built: the entry only keeps n + 1 kinds
     return kinds, dspark
 
 
