@@ -274,6 +274,18 @@ def test_device_start_reads_only_what_the_host_start_reads(kind, start, sq):
     assert_close(f"{kind} device start", got, want, TOLERANCES[torch.float32])
 
 
+def test_device_start_at_flash_width():
+    """V4-Flash's 64 heads of 512-wide rows, its 128-token window, an HCA layer at ratio 128: a device start over a
+    capacity of NaN-padded entries gives the host start's result over the visible ones."""
+    q, kv, _, window, sink, scale, entries, _ = case(heads=64, dim=512, window=128, ring=131, start=1300, sq=1,
+                                                     n_entries=10, topk=0, dtype=torch.bfloat16, seed=3)
+    want = v4_decode_attention(q, kv, 1300, window, sink, scale, entries, ratio=128, num_splits=2)
+    padded = torch.full((2, 40, 512), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    padded[:, :10] = entries
+    got = v4_decode_attention(q, kv, on_device(1300), window, sink, scale, padded, ratio=128, num_splits=2)
+    assert_close("flash width, device start", got, want, TOLERANCES[torch.bfloat16])
+
+
 def test_index_scores_with_a_device_start_read_no_key_past_the_visible():
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 9, 12, generator=gen).to(DEVICE)
@@ -287,12 +299,13 @@ def test_index_scores_with_a_device_start_read_no_key_past_the_visible():
     assert torch.equal(got[:, :, :202], want)
 
 
-@pytest.mark.parametrize("overlap,ratio", [(True, 4), (False, 16)])
-def test_compress_entry_with_a_device_end_writes_the_completed_window_only(overlap, ratio):
+@pytest.mark.parametrize("width,rope,overlap,ratio", [(24, 8, True, 4), (24, 8, False, 16), (512, 64, True, 4),
+                                                     (512, 64, False, 128)])
+def test_compress_entry_with_a_device_end_writes_the_completed_window_only(width, rope, overlap, ratio):
     """A step of `queries` tokens ending at a device end: the entry of the window it completes (as the host call
     for that window), and nothing at all for a step that completes none."""
     ring_rows = ratio * (2 if overlap else 1) + 3
-    cv, g, entries, weight, cos, sin = compressor_case(24, 8, overlap, ratio, 9, ring_rows, torch.float32)
+    cv, g, entries, weight, cos, sin = compressor_case(width, rope, overlap, ratio, 9, ring_rows, torch.float32)
     want = entries.clone()
     compress_entry(cv, g, want, 6, ratio, overlap, weight, 1e-6, cos, sin)
     got = entries.clone()
